@@ -1,0 +1,171 @@
+"""Messages that cross the engine boundary (torch-free, msgspec-encodable).
+
+The API process sends ``EngineRequest`` / ``EngineAbort`` to the engine core and
+receives ``EngineCoreOutputs`` (a batch of ``EngineOutput`` plus an
+``EngineStats`` snapshot).  The offline ``LLM`` uses the same types in-process.
+
+Times are ``time.monotonic()`` seconds (CLOCK_MONOTONIC is shared by all
+processes of one machine, so arrival stamps from the API process are
+comparable with the engine's).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from sluice.errors import InvalidRequestError
+
+__all__ = [
+    "SamplingParams",
+    "EngineRequest",
+    "EngineAbort",
+    "RequestTimings",
+    "TokenLogprobs",
+    "EngineOutput",
+    "EngineStats",
+    "EngineCoreOutputs",
+    "FinishReason",
+]
+
+
+class FinishReason:
+    STOP = "stop"  # EOS, a stop token id, or (API layer) a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # aborted by the client / server
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one completion.  ``temperature == 0`` means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, > 1 discourages repeats
+    frequency_penalty: float = 0.0  # OpenAI style, -2..2
+    presence_penalty: float = 0.0  # OpenAI style, -2..2
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)  # applied on text (API / LLM)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token + top-k alternatives
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {msg}", param=param)
+
+        if self.n < 1:
+            raise bad("n", f"must be >= 1, got {self.n}")
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0.0) or self.repetition_penalty > 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not (-2.0 <= v <= 2.0):
+                raise bad(name, f"must be in [-2, 2], got {v}")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens",
+                f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            )
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
+            raise bad("seed", "must fit in 64 bits")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 1  # sluice.types.Priority value: 0 (P0, most urgent) .. 2
+    arrival_time: float = 0.0  # monotonic seconds; 0 -> stamped on arrival at the engine
+    trace_id: str | None = None  # W3C trace id (32 hex), for logs / spans
+
+
+class EngineAbort(msgspec.Struct, kw_only=True):
+    request_ids: list[str]
+
+
+class RequestTimings(msgspec.Struct, kw_only=True):
+    arrival: float  # monotonic seconds
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    finished: bool = False
+    finish_reason: str | None = None  # FinishReason.*
+    stop_token_id: int | None = None  # the token that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0  # total so far
+    num_preemptions: int = 0
+    timings: RequestTimings | None = None  # set when finished (and on the first token)
+    error: str | None = None  # engine-side rejection (e.g. prompt too long)
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_running_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
+    num_waiting_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests, 0..1
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
+    num_preemptions: int = 0  # cumulative
+    num_steps: int = 0  # cumulative
+    step_time: float = 0.0  # seconds, last step
+    num_batched_tokens: int = 0  # last step
+
+
+class EngineCoreOutputs(msgspec.Struct, kw_only=True):
+    outputs: list[EngineOutput]
+    stats: EngineStats | None = None
+    timestamp: float = 0.0
