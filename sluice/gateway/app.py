@@ -1,0 +1,144 @@
+"""The gateway's HTTP app: the OpenAI routes of ``sluice serve``, plus admin and metrics.
+
+    POST /v1/completions, /v1/chat/completions   routed to a replica (pipeline.py)
+    GET  /v1/models                              the configured models
+    GET  /health                                 200 while some model has a routable replica
+    GET  /metrics                                Prometheus text (metrics.py)
+    GET  /admin/replicas, /admin/models          state and load figures (admin key)
+
+``build_app(config, *, client=None, clock=None, keys=None)`` builds everything;
+the lifespan owns the scraper task and the upstream HTTP session.  Run it with
+uvicorn (``sluice gateway``) or in-process in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sluice.auth import KeyStore
+from sluice.errors import InvalidRequestError, ModelNotFoundError, SluiceError
+from sluice.gateway.config import GatewayConfig
+from sluice.gateway.pipeline import Gateway, ProxyStream, error_response
+from sluice.gateway.scraper import Scraper
+from sluice.gateway.upstream import UpstreamClient
+
+__all__ = ["build_app"]
+
+log = logging.getLogger("sluice.gateway")
+
+
+def build_app(
+    config: GatewayConfig,
+    *,
+    client: UpstreamClient | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    keys: KeyStore | None = None,
+    run_scraper: bool = True,
+) -> Starlette:
+    gateway = Gateway(config, client=client, clock=clock, keys=keys)
+    scraper = Scraper(config, gateway.pool, lambda: gateway.client.session, clock=clock)
+
+    async def proxy(request: Request) -> Response | ProxyStream:
+        raw = await request.body()
+        return await gateway.handle(request.url.path, raw, request.headers)
+
+    def _rid(request: Request) -> str:
+        return request.headers.get("x-request-id") or ""
+
+    async def models(request: Request) -> Response:
+        try:
+            gateway.authenticate(request.headers)
+        except SluiceError as e:
+            return error_response(e, _rid(request))
+        data = [{"id": m, "object": "model", "owned_by": "sluice"} for m in gateway.pool.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        routable = {m: gateway.pool.model_load(m).num_routable for m in gateway.pool.models}
+        ok = any(routable.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "no_healthy_replica", "routable_replicas": routable},
+            status_code=200 if ok else 503,
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def admin_replicas(request: Request) -> Response:
+        try:
+            gateway.authenticate_admin(request.headers)
+        except SluiceError as e:
+            return error_response(e, _rid(request))
+        now = clock()
+        return JSONResponse({"replicas": [r.describe(now) for r in gateway.pool.replicas()]})
+
+    async def admin_models(request: Request) -> Response:
+        try:
+            gateway.authenticate_admin(request.headers)
+        except SluiceError as e:
+            return error_response(e, _rid(request))
+        out = {}
+        for m in gateway.pool.models:
+            out[m] = {
+                "load": gateway.pool.model_load(m).__dict__,
+                "versions": {v.name: v.share for v in gateway.pool.versions(m)},
+            }
+        return JSONResponse({"models": out, "policy": gateway.policy.name.value})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            err: SluiceError = ModelNotFoundError(f"no route {request.url.path}", param=None)
+            err.code = "route_not_found"
+        else:
+            err = InvalidRequestError(f"{request.method} {request.url.path}: {exc.detail}")
+            err.status_code = exc.status_code
+        return error_response(err, _rid(request))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("gateway internal error on %s", request.url.path)
+        return Response(
+            json.dumps({"error": {"message": "internal gateway error", "type": "internal_error", "param": None, "code": None}}),
+            status_code=500,
+            media_type="application/json",
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(scraper.run()) if run_scraper else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await gateway.client.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", proxy, methods=["POST"]),
+            Route("/v1/chat/completions", proxy, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/admin/replicas", admin_replicas, methods=["GET"]),
+            Route("/admin/models", admin_models, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    app.state.scraper = scraper
+    return app

@@ -1,0 +1,414 @@
+"""The request path of the gateway, one step per method::
+
+    handle()
+      authenticate         API key -> KeyInfo, rate limit, priority capped by tier
+      parse_request        model, stream flag, prompt text, token estimate
+      pick_version         traffic shares between a model's versions (rollouts hook here)
+      choose_replica       policy over routable, untried replicas (degradation hooks here)
+      forward              one attempt; retried elsewhere only before the first byte,
+                           within the retry budget
+      record_outcome       breaker, health, metrics, TTFT, then every ``outcome_hooks``
+                           callback (canary analysis hooks here)
+
+Streams pass through chunk by chunk (``ProxyStream``); a client disconnect
+closes the upstream connection so the replica aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import propagate, trace
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from sluice.auth import KeyInfo, KeyStore, RateLimiter
+from sluice.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    SluiceError,
+)
+from sluice.gateway.config import GatewayConfig
+from sluice.gateway.metrics import GatewayMetrics
+from sluice.gateway.policies import RouteRequest, RoutingPolicy, make_policy
+from sluice.gateway.pool import ReplicaPool, Version
+from sluice.gateway.replica import Replica
+from sluice.gateway.retry import RetryBudget
+from sluice.gateway.upstream import AttemptError, Upstream, UpstreamClient
+from sluice.types import parse_priority
+
+__all__ = ["Outcome", "Gateway", "ProxyStream", "error_response"]
+
+_TRACER = trace.get_tracer("sluice.gateway")
+_DEFAULT_MAX_TOKENS = 256  # token estimate when the request gives none
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one client request (handed to ``outcome_hooks``)."""
+
+    model: str
+    version: str | None
+    replica: str | None  # url of the replica that answered (or failed last)
+    status: int  # HTTP status sent to the client
+    ok: bool  # the replica served it (2xx/4xx, stream completed)
+    ttfb_s: float | None  # request arrival -> first upstream byte
+    latency_s: float  # arrival -> last byte
+    num_attempts: int
+    error_kind: str | None  # connect / timeout / status / stream / no_replica / client_gone
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    route: RouteRequest
+
+
+def error_response(e: SluiceError, request_id: str) -> Response:
+    headers = {"x-request-id": request_id}
+    retry_after = getattr(e, "retry_after", None)
+    if retry_after is not None:
+        headers["retry-after"] = str(max(1, round(retry_after)))
+    return Response(
+        json.dumps(e.to_openai()), status_code=e.status_code, headers=headers, media_type="application/json"
+    )
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
+        parts: list[str] = []
+        for m in msgs:
+            if not isinstance(m, dict):
+                raise InvalidRequestError("each message must be an object", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}\x00{content or ''}\x00")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        return ",".join(str(t) for t in prompt)  # token ids
+    raise InvalidRequestError("'prompt' must be a string or a list", param="prompt")
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        client: UpstreamClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        keys: KeyStore | None = None,
+    ):
+        self.config = config
+        self.clock = clock
+        rng = random.Random(config.seed)
+        self.pool = ReplicaPool(config, clock=clock, rng=rng)
+        self.policy: RoutingPolicy = make_policy(config.policy, config, rng=rng, clock=clock)
+        self.retry_budget = RetryBudget(config.retry, clock=clock)
+        self.metrics = GatewayMetrics(self.pool, clock=clock)
+        self.keys = keys if keys is not None else KeyStore.build(config.api_keys, config.keys_file)
+        self.limiter = RateLimiter(clock=clock)
+        self.client = client or UpstreamClient(config.timeouts)
+        self.outcome_hooks: list[Callable[[Outcome], None]] = []
+
+    # ---- the pipeline -----------------------------------------------------------------
+
+    async def handle(self, path: str, raw: bytes, headers: Mapping[str, str]) -> Response | ProxyStream:
+        t0 = self.clock()
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            key = self.authenticate(headers)
+            parsed = self.parse_request(raw)
+            self.limiter.check(key, parsed.route.num_tokens)
+            priority = key.cap(parse_priority(headers.get("x-priority") or parsed.body.get("priority")))
+        except ValueError as e:  # parse_priority
+            if isinstance(e, SluiceError):
+                return error_response(e, request_id)
+            return error_response(InvalidRequestError(str(e), param="priority"), request_id)
+        except SluiceError as e:
+            return error_response(e, request_id)
+        upstream_headers = {
+            "content-type": "application/json",
+            "x-request-id": request_id,
+            "x-priority": priority.label,
+        }
+        ctx = propagate.extract(headers)
+        with _TRACER.start_as_current_span("gateway.route", context=ctx) as span:
+            span.set_attribute("sluice.model", parsed.model)
+            propagate.inject(upstream_headers)
+            return await self._route(path, parsed, upstream_headers, request_id, t0)
+
+    def authenticate(self, headers: Mapping[str, str]) -> KeyInfo:
+        return self.keys.authenticate(headers.get("authorization"))
+
+    def authenticate_admin(self, headers: Mapping[str, str]) -> KeyInfo:
+        if not self.keys.has_admin:
+            raise AuthenticationError("admin endpoints are disabled: no admin key is configured")
+        key = self.keys.authenticate(headers.get("authorization"))
+        if not key.is_admin:
+            raise AuthenticationError("this endpoint needs an admin key")
+        return key
+
+    def parse_request(self, raw: bytes) -> _Parsed:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise InvalidRequestError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequestError("'model' is required", param="model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidRequestError("'stream' must be true or false", param="stream")
+        text = _prompt_text(body)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or _DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidRequestError("'max_tokens' must be a positive integer", param="max_tokens")
+        self.pool.versions(model)  # 404 for unknown models, before any routing
+        # NOTE(token-estimate): ~4 characters per token; the gateway never tokenizes.
+        return _Parsed(body, model, stream, RouteRequest(model, text, len(text) // 4 + max_tokens))
+
+    def pick_version(self, model: str) -> Version:
+        version = self.pool.pick_version(model)
+        if version is None:
+            raise ServiceUnavailableError(
+                f"no healthy replica for model {model!r}",
+                retry_after=self.pool.retry_after(model),
+                code="no_healthy_replica",
+            )
+        return version
+
+    def choose_replica(self, version: Version, parsed: _Parsed, tried: set[str]) -> Replica | None:
+        candidates = [r for r in version.routable() if r.url not in tried]
+        if not candidates:  # the version is exhausted: any other version of the model
+            candidates = [
+                r
+                for v in self.pool.versions(parsed.model)
+                for r in v.routable()
+                if r.url not in tried
+            ]
+        if not candidates:
+            return None
+        decision = self.policy.choose(candidates, parsed.route)
+        self.metrics.decisions.labels(parsed.model, self.policy.name.value, decision.reason, decision.replica.url).inc()
+        return decision.replica
+
+    async def _route(
+        self, path: str, parsed: _Parsed, headers: dict[str, str], request_id: str, t0: float
+    ) -> Response | ProxyStream:
+        model = parsed.model
+        try:
+            version = self.pick_version(model)
+        except SluiceError as e:
+            self._record(Outcome(model, None, None, e.status_code, False, None, self.clock() - t0, 0, "no_replica"))
+            return error_response(e, request_id)
+        body = self._upstream_body(raw_body=parsed, version=version)
+        self.retry_budget.record_request()
+        tried: set[str] = set()
+        last: AttemptError | None = None
+        replica: Replica | None = None
+        tokens = parsed.route.num_tokens
+        for attempt in range(1, self.config.retry.max_attempts + 1):
+            replica = self.choose_replica(version, parsed, tried)
+            if replica is None:
+                break
+            tried.add(replica.url)
+            replica.add_request(tokens)
+            t_sent = self.clock()
+            self.metrics.added_latency.labels(model).observe(t_sent - t0)
+            try:
+                up = await self.client.open(replica.url + path, body, headers, stream=parsed.stream)
+            except AttemptError as e:
+                last = e
+                replica.finish_request(tokens)
+                self._attempt_failed(replica, e, self.clock() - t_sent)
+                if attempt < self.config.retry.max_attempts and self.retry_budget.try_spend():
+                    self.metrics.retries.labels(model, replica.url).inc()
+                    continue
+                break
+            ttfb = self.clock() - t0
+            self.pool.record_ttft(model, ttfb)
+            out_headers = {
+                "x-request-id": request_id,
+                "x-sluice-replica": replica.url,
+                "content-type": up.headers.get("content-type", "application/json"),
+            }
+            if up.response is None:  # complete body in hand
+                replica.finish_request(tokens)
+                ok = up.status < 500
+                replica.breaker.record(ok, self.clock() - t_sent)
+                self._record(Outcome(model, replica.version, replica.url, up.status, ok, ttfb, self.clock() - t0, attempt, None))
+                return Response(up.first_chunk, status_code=up.status, headers=out_headers)
+            return ProxyStream(self, up, replica, parsed, out_headers, t0, t_sent, ttfb, attempt)
+        return self._give_up(parsed, version, replica, last, request_id, t0, len(tried))
+
+    def _upstream_body(self, raw_body: _Parsed, version: Version) -> bytes:
+        body = raw_body.body
+        if version.served_model and version.served_model != raw_body.model:
+            body = {**body, "model": version.served_model}
+        body.pop("priority", None)  # sent as the x-priority header, capped by the key's tier
+        return json.dumps(body).encode()
+
+    def _attempt_failed(self, replica: Replica, e: AttemptError, elapsed: float) -> None:
+        self.metrics.errors.labels(replica.model, replica.url, e.kind).inc()
+        if e.is_replica_failure:
+            replica.breaker.record(False, elapsed)
+        if e.kind == "connect":
+            replica.health.record_connect_failure(e.message)
+
+    def _give_up(
+        self,
+        parsed: _Parsed,
+        version: Version,
+        replica: Replica | None,
+        last: AttemptError | None,
+        request_id: str,
+        t0: float,
+        num_attempts: int,
+    ) -> Response:
+        model = parsed.model
+        url = replica.url if replica else None
+        if last is not None and last.kind == "status" and last.status is not None:
+            # The replica's own answer (its 503/429 body and Retry-After) is the most useful one.
+            self._record(Outcome(model, version.name, url, last.status, False, None, self.clock() - t0, num_attempts, "status"))
+            headers = {"x-request-id": request_id, "content-type": last.headers.get("Content-Type", "application/json")}
+            if "Retry-After" in last.headers:
+                headers["retry-after"] = last.headers["Retry-After"]
+            if url:
+                headers["x-sluice-replica"] = url
+            return Response(last.body, status_code=last.status, headers=headers)
+        if last is None:
+            err = ServiceUnavailableError(
+                f"no healthy replica for model {model!r}",
+                retry_after=self.pool.retry_after(model),
+                code="no_healthy_replica",
+            )
+        else:
+            err = ServiceUnavailableError(
+                f"replica failed ({last.kind}): {last.message}",
+                retry_after=1.0,
+                code=f"upstream_{last.kind}",
+            )
+        self._record(Outcome(model, version.name, url, 503, False, None, self.clock() - t0, num_attempts, last.kind if last else "no_replica"))
+        return error_response(err, request_id)
+
+    def _record(self, outcome: Outcome) -> None:
+        self.metrics.requests.labels(outcome.model, outcome.replica or "none", str(outcome.status)).inc()
+        for hook in self.outcome_hooks:
+            hook(outcome)
+
+    def stream_finished(
+        self,
+        stream: ProxyStream,
+        error: AttemptError | None,
+        client_gone: bool,
+    ) -> None:
+        replica = stream.replica
+        replica.finish_request(stream.parsed.route.num_tokens)
+        now = self.clock()
+        if error is not None:
+            self.metrics.errors.labels(replica.model, replica.url, error.kind).inc()
+        # NOTE(breaker-latency): the breaker's latency is time to first byte;
+        # a stream's length says nothing about the replica's health.
+        replica.breaker.record(error is None, stream.ttfb_s - (stream.t_sent - stream.t0))
+        kind = "stream" if error else "client_gone" if client_gone else None
+        self._record(
+            Outcome(
+                stream.parsed.model,
+                replica.version,
+                replica.url,
+                200,
+                error is None,
+                stream.ttfb_s,
+                now - stream.t0,
+                stream.num_attempts,
+                kind,
+            )
+        )
+
+
+class ProxyStream:
+    """ASGI response that streams an ``Upstream`` to the client as it arrives.
+
+    A background watcher waits for the client's ``http.disconnect`` and
+    cancels the copy loop, so a gone client stops the replica's work at once.
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        upstream: Upstream,
+        replica: Replica,
+        parsed: _Parsed,
+        headers: dict[str, str],
+        t0: float,
+        t_sent: float,
+        ttfb_s: float,
+        num_attempts: int,
+    ):
+        self.gateway = gateway
+        self.upstream = upstream
+        self.replica = replica
+        self.parsed = parsed
+        self.headers = headers
+        self.t0 = t0
+        self.t_sent = t_sent
+        self.ttfb_s = ttfb_s
+        self.num_attempts = num_attempts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        main = asyncio.current_task()
+        client_gone = False
+
+        async def watch() -> None:
+            nonlocal client_gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone = True
+            if main is not None:
+                main.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        error: AttemptError | None = None
+        try:
+            raw_headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
+            await send({"type": "http.response.start", "status": self.upstream.status, "headers": raw_headers})
+            await send({"type": "http.response.body", "body": self.upstream.first_chunk, "more_body": True})
+            try:
+                async for chunk in self.upstream.rest():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except AttemptError as e:
+                error = e
+                event = {"error": {"message": f"replica failed mid-stream: {e.message}", "type": "upstream_error", "param": None, "code": "upstream_stream"}}
+                await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not client_gone:
+                raise
+            if main is not None:
+                main.uncancel()
+        finally:
+            watcher.cancel()
+            self.upstream.close()
+            self.gateway.stream_finished(self, error, client_gone)

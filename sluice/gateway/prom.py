@@ -1,0 +1,59 @@
+"""Replica load as read from its ``/metrics`` page: one pure parsing function.
+
+``parse_replica_load(text)`` turns Prometheus exposition text into a
+``ReplicaLoad``.  Unknown or missing series are simply absent (``None``): the
+gateway also fronts plain OpenAI-compatible servers that export nothing.
+vLLM's names (``vllm:num_requests_running`` ...) are understood as well, so a
+vLLM replica gets the same load-aware routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["ReplicaLoad", "parse_replica_load"]
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    num_running: float | None = None  # requests the replica is decoding/prefilling
+    num_waiting: float | None = None  # requests queued inside the replica
+    kv_cache_usage: float | None = None  # 0..1
+    cpu_utilization: float | None = None  # host CPU, 0..1
+    memory_used: float | None = None  # host memory, 0..1
+
+
+# series name (as the parser reports it, without _total) -> ReplicaLoad field
+_FIELDS: dict[str, str] = {
+    "sluice_num_requests_running": "num_running",
+    "sluice_num_requests_waiting": "num_waiting",
+    "sluice_kv_cache_usage_ratio": "kv_cache_usage",
+    "sluice_host_cpu_utilization_ratio": "cpu_utilization",
+    "sluice_host_memory_used_ratio": "memory_used",
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+}
+_RATIOS = {"kv_cache_usage", "cpu_utilization", "memory_used"}
+
+
+def parse_replica_load(text: str) -> ReplicaLoad:
+    """Parse a ``/metrics`` page.  Series with several label sets are summed
+    (counts) or averaged (ratios).  Raises ``ValueError`` on malformed text."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = _FIELDS.get(sample.name)
+            if field is None or sample.value != sample.value:  # NaN
+                continue
+            sums[field] = sums.get(field, 0.0) + float(sample.value)
+            counts[field] = counts.get(field, 0) + 1
+    values: dict[str, float] = {}
+    for field, total in sums.items():
+        v = total / counts[field] if field in _RATIOS else total
+        values[field] = min(1.0, max(0.0, v)) if field in _RATIOS else max(0.0, v)
+    return ReplicaLoad(**values)
