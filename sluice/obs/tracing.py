@@ -1,0 +1,86 @@
+"""OpenTelemetry tracing for the server: provider setup and engine-stage spans.
+
+Spans per request::
+
+    POST /v1/chat/completions        (SERVER, parent from the client's traceparent)
+     ├── tokenize
+     ├── queue      arrival -> first scheduled      \
+     ├── prefill    first scheduled -> first token   } built after the fact from
+     └── decode     first token -> finished         /  the engine's RequestTimings
+
+The exporter is off unless ``--otlp-endpoint`` is given; tests pass a provider
+with an in-memory exporter.  The provider belongs to the app (never set
+globally), so several apps can live in one test process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from sluice.engine.protocol import RequestTimings
+
+__all__ = ["build_tracer_provider", "Tracing"]
+
+
+def build_tracer_provider(otlp_endpoint: str | None, service_name: str = "sluice-serve") -> TracerProvider:
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        endpoint = otlp_endpoint.rstrip("/")
+        if not endpoint.endswith("/v1/traces"):
+            endpoint += "/v1/traces"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider
+
+
+class Tracing:
+    """Starts request spans and converts engine monotonic stamps to span times."""
+
+    def __init__(self, provider: TracerProvider):
+        self.provider = provider
+        self.tracer: Tracer = provider.get_tracer("sluice.server")
+        self.propagator = TraceContextTextMapPropagator()
+        # NOTE(clock-offset): engine timings are time.monotonic(); spans need epoch ns.
+        self._offset_ns = time.time_ns() - time.monotonic_ns()
+
+    def extract(self, headers: Mapping[str, str]) -> Context:
+        return self.propagator.extract(carrier=dict(headers))
+
+    def start_request_span(self, name: str, parent: Context, attributes: dict[str, str]) -> Span:
+        return self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+
+    def traceparent(self, span: Span) -> str | None:
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier.get("traceparent")
+
+    def to_ns(self, monotonic_s: float) -> int:
+        return int(monotonic_s * 1e9) + self._offset_ns
+
+    def record_stages(self, parent: Span, t: RequestTimings | None, attributes: dict[str, str | int]) -> None:
+        if t is None:
+            return
+        ctx = trace.set_span_in_context(parent)
+        stages = (
+            ("queue", t.arrival, t.first_scheduled),
+            ("prefill", t.first_scheduled, t.first_token),
+            ("decode", t.first_token, t.finished),
+        )
+        for name, start, end in stages:
+            if start is None or end is None:
+                continue
+            span = self.tracer.start_span(name, context=ctx, start_time=self.to_ns(start), attributes=attributes)
+            span.end(end_time=self.to_ns(max(start, end)))
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()

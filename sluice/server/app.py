@@ -1,0 +1,366 @@
+"""The API process's FastAPI app: ``build_app(settings, ...)`` builds everything.
+
+No globals: the engine client, codec, metrics registry, tracer provider,
+admission queue and rate limiter all hang off one ``ServerState`` created
+here; the lifespan starts the engine core process and the background task
+that waits for it.  Tests pass fakes through the same parameters
+(``engine_factory``, ``codec_factory``, ``tracer_provider``, ``clock``).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /health`` (200 only when the engine is ready and the
+server is not draining), ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from opentelemetry.sdk.trace import TracerProvider
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sluice.auth import KeyStore, RateLimiter
+from sluice.engine.config import ModelInfo
+from sluice.errors import ServiceUnavailableError, SluiceError
+from sluice.obs.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from sluice.obs.tracing import Tracing, build_tracer_provider
+from sluice.server.admission import AdmissionController
+from sluice.server.codec import TextCodec, load_codec
+from sluice.server.config import ServerSettings
+from sluice.server.engine_client import EngineClient
+from sluice.server.generation import Generation
+from sluice.server.http_errors import (
+    MethodNotAllowedError,
+    NotFoundError,
+    PayloadTooLargeError,
+    error_headers,
+    from_validation_error,
+    to_sluice_error,
+)
+from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.serving import OpenAIServing, RequestContext
+from sluice.server.sse import ClientGone, SSEResponse, wait_or_disconnect
+
+__all__ = ["build_app", "ServerState"]
+
+log = logging.getLogger("sluice.server")
+_json = msgspec.json.Encoder()
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+@dataclass
+class ServerState:
+    settings: ServerSettings
+    client: EngineClient
+    metrics: ServerMetrics
+    tracing: Tracing
+    keys: KeyStore
+    rate_limiter: RateLimiter
+    admission: AdmissionController
+    codec_factory: Callable[[str], TextCodec]
+    on_ready: Callable[[ModelInfo], None] | None = None
+    on_engine_dead: Callable[[], None] | None = None
+    serving: OpenAIServing | None = None
+    model_info: ModelInfo | None = None
+    is_draining: bool = False
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    startup_error: str | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.serving is not None and not self.client.is_dead
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.serving.inflight) if self.serving else 0
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting; wait for in-flight requests up to ``timeout`` s. True if all finished."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_inflight == 0
+
+
+def _json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(doc), status_code=status, headers=headers, media_type="application/json")
+
+
+def _error_response(err: SluiceError) -> Response:
+    return _json_response(err.to_openai(), err.status_code, error_headers(err))
+
+
+class RequestIdMiddleware:
+    """Echo (or create) ``x-request-id`` on every response; add ``traceparent``."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = None
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                text = v.decode("latin-1")
+                rid = text if _REQUEST_ID.match(text) else None
+                break
+        meta: dict[str, Any] = {"request_id": rid or uuid.uuid4().hex, "traceparent": None}
+        scope.setdefault("state", {})["sluice"] = meta
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", meta["request_id"].encode()))
+                if meta["traceparent"]:
+                    headers.append((b"traceparent", meta["traceparent"].encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(
+    settings: ServerSettings,
+    *,
+    engine_factory: Callable[..., Any] | None = None,
+    codec_factory: Callable[[str], TextCodec] | None = None,
+    tracer_provider: TracerProvider | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    on_ready: Callable[[ModelInfo], None] | None = None,
+    on_engine_dead: Callable[[], None] | None = None,
+) -> FastAPI:
+    metrics = ServerMetrics(settings.served_model_name or settings.model)
+    tracing = Tracing(tracer_provider or build_tracer_provider(settings.otlp_endpoint))
+    keys = KeyStore.build(settings.api_key, settings.keys_file)
+    state_box: dict[str, ServerState] = {}
+
+    def _dead() -> None:
+        st = state_box["state"]
+        if st.on_engine_dead is not None:
+            st.on_engine_dead()
+
+    client = EngineClient(
+        settings.engine_config(),
+        engine_factory=engine_factory,
+        on_dead=_dead,
+        on_stats=metrics.observe_stats,
+    )
+    state = ServerState(
+        settings=settings,
+        client=client,
+        metrics=metrics,
+        tracing=tracing,
+        keys=keys,
+        rate_limiter=RateLimiter(clock),
+        admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens),
+        codec_factory=codec_factory or load_codec,
+        on_ready=on_ready,
+        on_engine_dead=on_engine_dead,
+    )
+    state_box["state"] = state
+
+    async def _start() -> None:
+        codec_task = asyncio.create_task(asyncio.to_thread(state.codec_factory, settings.model))
+        try:
+            info = await client.wait_ready()
+            codec = await codec_task
+        except SluiceError as e:
+            state.startup_error = e.message
+            log.error("start-up failed: %s", e.message)
+            if state.on_engine_dead is not None:
+                state.on_engine_dead()
+            return
+        except Exception as e:  # noqa: BLE001 -- tokenizer load failures, reported once
+            state.startup_error = f"{type(e).__name__}: {e}"
+            log.error("start-up failed: %s", state.startup_error)
+            if state.on_engine_dead is not None:
+                state.on_engine_dead()
+            return
+        finally:
+            if not codec_task.done():
+                codec_task.cancel()
+        state.model_info = info
+        name = settings.served_model_name or info.name
+        state.serving = OpenAIServing(
+            client=client,
+            codec=codec,
+            model_info=info,
+            served_model_name=name,
+            model_aliases={settings.model, info.name},
+            keys=keys,
+            rate_limiter=state.rate_limiter,
+            admission=state.admission,
+            metrics=metrics,
+            tracing=tracing,
+            is_draining=lambda: state.is_draining,
+        )
+        metrics.info.labels(model=name).set(1)
+        if state.on_ready is not None:
+            state.on_ready(info)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        starter = asyncio.create_task(_start(), name="sluice-startup")
+        try:
+            yield
+        finally:
+            starter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starter
+            await client.close()
+            tracing.shutdown()
+
+    app = FastAPI(title="sluice", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.sluice = state
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_exc(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return _error_response(NotFoundError(f"no route {request.method} {request.url.path}"))
+        if exc.status_code == 405:
+            return _error_response(MethodNotAllowedError(f"method {request.method} not allowed on {request.url.path}"))
+        err = SluiceError(str(exc.detail))
+        err.status_code = exc.status_code
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(SluiceError(str(exc)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        return _error_response(to_sluice_error(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.is_draining:
+            return _error_response(ServiceUnavailableError("draining", retry_after=1.0))
+        if state.client.is_dead or state.startup_error:
+            return _error_response(ServiceUnavailableError(state.startup_error or "engine core is not running"))
+        if not state.is_ready:
+            return _error_response(ServiceUnavailableError("engine core is starting", retry_after=1.0))
+        return _json_response({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            keys.authenticate(request.headers.get("authorization"))
+            serving = _serving()
+        except SluiceError as e:
+            return _error_response(e)
+        info = serving.model_info
+        return _json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": serving.served_model_name,
+                        "object": "model",
+                        "created": state.started_at,
+                        "owned_by": "sluice",
+                        "root": info.path,
+                        "max_model_len": info.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    def _serving() -> OpenAIServing:
+        if state.serving is None:
+            raise ServiceUnavailableError("the model is still loading", retry_after=1.0)
+        return state.serving
+
+    async def _read_body(request: Request) -> bytes:
+        limit = settings.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _handle(request: Request, schema: type[BaseModel]) -> Response | SSEResponse:
+        meta = request.scope["state"]["sluice"]
+        span = tracing.start_request_span(
+            f"POST {request.url.path}",
+            tracing.extract(request.headers),
+            {"http.request.method": "POST", "url.path": request.url.path, "sluice.request_id": meta["request_id"]},
+        )
+        meta["traceparent"] = tracing.traceparent(span)
+        ctx = RequestContext(request_id=meta["request_id"], arrival=time.monotonic(), span=span)
+        serving: OpenAIServing | None = state.serving
+        gen: Generation | None = None
+        try:
+            serving = _serving()
+            span.set_attribute("sluice.model", serving.served_model_name)
+            serving.check_available()
+            serving.authenticate(ctx, request.headers.get("authorization"))
+            body = await _read_body(request)
+            req = schema.model_validate_json(body)
+            assert isinstance(req, (CompletionRequest, ChatCompletionRequest))
+            serving.check_model(req.model)
+            serving.resolve_priority(ctx, request.headers.get("x-priority"), req.priority)
+            prep = await serving.prepare(ctx, req)
+            gen = serving.submit(ctx, prep)
+            if req.stream:
+                first, r, it = await wait_or_disconnect(request, serving.first_events(ctx, prep, gen))
+                body_iter = serving.stream_body(ctx, prep, gen, first, r, it)
+                s, g = serving, gen
+                return SSEResponse(body_iter, {}, on_close=lambda: s.finish(ctx, g))
+            doc = await wait_or_disconnect(request, serving.collect(ctx, prep, gen))
+            serving.finish(ctx, gen)
+            return _json_response(doc)
+        except ClientGone:
+            ctx.status = 499
+            if serving is not None:
+                serving.finish(ctx, gen)
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 -- every failure becomes an OpenAI error
+            from pydantic import ValidationError
+
+            err = from_validation_error(e) if isinstance(e, ValidationError) else to_sluice_error(e)
+            ctx.status = err.status_code
+            ctx.extra["error"] = err.message
+            if serving is not None:
+                serving.finish(ctx, gen)
+            else:
+                metrics.count_request(err.status_code, ctx.priority.label)
+                span.end()
+            return _error_response(err)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _handle(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await _handle(request, ChatCompletionRequest)
+
+    return app

@@ -1,0 +1,230 @@
+"""The API process's handle on the engine core process.
+
+``EngineClient`` spawns the engine core, sends requests and aborts over ZMQ,
+and fans the per-step ``EngineCoreOutputs`` out to one ``RequestStream`` per
+HTTP request (a request with ``n > 1`` or several prompts has several engine
+request ids feeding the same stream).
+
+Engine death is noticed at once (the process sentinel is watched by the event
+loop): every open stream receives ``EngineDeadError`` and ``on_dead`` is
+called, so no request ever hangs on a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from sluice.engine.config import EngineConfig, ModelInfo
+from sluice.engine.protocol import EngineAbort, EngineOutput, EngineRequest, EngineStats
+from sluice.errors import EngineDeadError, ModelLoadError, SluiceError
+from sluice.server.engine_proc import default_engine_factory, run_engine_core
+from sluice.server.ipc import Decoders, IpcPaths, Kind, encode
+
+__all__ = ["EngineClient", "RequestStream"]
+
+log = logging.getLogger("sluice.server")
+
+
+class RequestStream:
+    """Outputs of one HTTP request's engine requests, in arrival order.
+
+    Items are ``EngineOutput`` or a ``SluiceError`` that ends the stream.
+    """
+
+    __slots__ = ("request_ids", "queue")
+
+    def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[EngineOutput | SluiceError] = asyncio.Queue()
+
+    async def get_batch(self) -> list[EngineOutput | SluiceError]:
+        """Wait for at least one item, then take everything already queued."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    def fail(self, error: SluiceError) -> None:
+        self.queue.put_nowait(error)
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_factory: Callable[[EngineConfig], Any] | None = None,
+        on_dead: Callable[[], None] | None = None,
+        on_stats: Callable[[EngineStats], None] | None = None,
+    ):
+        self.config = config
+        self._factory = engine_factory or default_engine_factory
+        self._on_dead = on_dead
+        self._on_stats = on_stats
+        self._paths = IpcPaths.create()
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(self._paths.input_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(self._paths.output_addr)
+        self._dec = Decoders()
+        self._streams: dict[str, RequestStream] = {}  # engine request id -> stream
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self.model_info: ModelInfo | None = None
+        self.ready = asyncio.Event()
+        self.is_dead = False
+        self.is_closing = False
+        self.stats = EngineStats()
+        self.start_error: str | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the engine core and start the output loop (returns at once)."""
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_core,
+            args=(self._factory, self.config, self._paths.input_addr, self._paths.output_addr),
+            name="sluice-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._proc.sentinel, self._on_exit)
+        self._loop_task = asyncio.create_task(self._output_loop(), name="engine-output-loop")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def wait_ready(self) -> ModelInfo:
+        await self.ready.wait()
+        if self.model_info is None:
+            raise ModelLoadError(self.start_error or "the engine core failed to start")
+        return self.model_info
+
+    async def close(self, timeout: float = 5.0) -> None:
+        self.is_closing = True
+        proc = self._proc
+        if proc is not None:
+            # the sentinel fires on exit; we are closing, so that is not a death
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            if proc.is_alive():
+                proc.terminate()
+                deadline = time.monotonic() + timeout
+                while proc.is_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                if proc.is_alive():
+                    proc.kill()
+            proc.join(1.0)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._loop_task
+        self._in.close(0)
+        self._out.close(0)
+        self._ctx.term()
+        self._paths.cleanup()
+
+    def _on_exit(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self.is_closing:
+            return
+        self.is_dead = True
+        code = proc.exitcode
+        if not self.ready.is_set():
+            self.start_error = self.start_error or f"the engine core exited during start-up (exit code {code})"
+            self.ready.set()
+        log.error("engine core process died (exit code %s); failing %d requests", code, len(self._streams))
+        err = EngineDeadError("the engine core process died; retry on another replica", retry_after=1.0)
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.fail(err)
+        self._streams.clear()
+        if self._on_dead is not None:
+            self._on_dead()
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_requests(self, requests: list[EngineRequest]) -> RequestStream:
+        if self.is_dead:
+            raise EngineDeadError("the engine core process is not running", retry_after=1.0)
+        stream = RequestStream([r.request_id for r in requests])
+        for r in requests:
+            self._streams[r.request_id] = stream
+        self._send(encode(Kind.REQUESTS, requests))
+        return stream
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if ids and not self.is_dead:
+            self._send(encode(Kind.ABORT, EngineAbort(request_ids=ids)))
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished ids (no abort sent)."""
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    def _send(self, frames: list[bytes]) -> None:
+        # NOTE(nonblocking-send): PUSH to a connected peer never blocks here (the
+        # default HWM is 1000 messages and the engine drains every step);
+        # zmq.asyncio returns a future we need not await.
+        self._in.send_multipart(frames)
+
+    # -- output fan-out ------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        dec = self._dec
+        while True:
+            kind, payload = await self._out.recv_multipart()
+            if kind == Kind.OUTPUTS:
+                batch = dec.outputs.decode(payload)
+                streams = self._streams
+                for out in batch.outputs:
+                    stream = streams.get(out.request_id)
+                    if stream is None:
+                        continue  # aborted or released earlier
+                    if out.finished:
+                        del streams[out.request_id]
+                    stream.queue.put_nowait(out)
+                if batch.stats is not None:
+                    self.stats = batch.stats
+                    if self._on_stats is not None:
+                        self._on_stats(batch.stats)
+            elif kind == Kind.READY:
+                self.model_info = dec.ready.decode(payload)
+                self.ready.set()
+            elif kind == Kind.ERROR:
+                self.start_error = dec.error.decode(payload)
+                log.error("engine core failed to start: %s", self.start_error)
+                self.ready.set()
+
+
+def engine_error(out: EngineOutput) -> SluiceError:
+    """Map an engine-side rejection (``EngineOutput.error``) back to our error tree."""
+    from sluice.errors import ContextLengthError, InvalidRequestError
+
+    msg = out.error or "rejected by the engine"
+    code, _, text = msg.partition(": ")
+    if code == "context_length_exceeded":
+        return ContextLengthError(text or msg)
+    return InvalidRequestError(text or msg)

@@ -1,0 +1,130 @@
+"""The engine core process: a busy loop around ``EngineCore``.
+
+    poll input (block only when idle) -> add / abort -> step -> publish outputs
+
+It owns the model, the KV cache and the scheduler (all inside ``EngineCore``)
+and nothing else: no HTTP, no tokenizer.  It publishes one
+``EngineCoreOutputs`` (with an ``EngineStats`` snapshot) per step, and one more
+when it goes idle so that gauges fall back to zero.  It exits when the API
+process goes away (parent pid changes) or on SIGTERM.
+
+``engine_factory`` is any picklable callable ``EngineConfig -> engine`` with the
+``EngineCore`` methods; tests pass ``sluice.server.testing.FakeEngineCore``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.protocol import EngineCoreOutputs, EngineOutput, FinishReason
+from sluice.errors import SluiceError
+from sluice.server.ipc import Decoders, Kind, encode
+
+__all__ = ["run_engine_core", "default_engine_factory"]
+
+log = logging.getLogger("sluice.engine_core")
+
+IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+
+
+def default_engine_factory(config: EngineConfig) -> Any:
+    from sluice.engine.core import EngineCore
+
+    return EngineCore(config)
+
+
+def run_engine_core(
+    engine_factory: Callable[[EngineConfig], Any],
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+) -> None:
+    """Process entry point (spawned by ``EngineClient``)."""
+    parent = os.getppid()
+    stopping = False
+
+    def _on_term(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the API process, which drains
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(output_addr)
+    try:
+        engine = engine_factory(config)
+    except SluiceError as e:
+        push.send_multipart(encode(Kind.ERROR, e.message))
+        push.close()
+        sys.exit(3)
+    except Exception as e:  # noqa: BLE001 -- reported to the API process as one line
+        push.send_multipart(encode(Kind.ERROR, f"{type(e).__name__}: {e}"))
+        push.close()
+        sys.exit(3)
+    push.send_multipart(encode(Kind.READY, engine.model_info))
+
+    dec = Decoders()
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    was_busy = False
+    while not stopping:
+        busy = engine.has_unfinished_requests()
+        timeout = 0 if busy else IDLE_POLL_MS
+        rejected: list[EngineOutput] = []
+        # NOTE(drain-input): take every queued message before stepping so that a
+        # burst of arrivals lands in one schedule() instead of one per step.
+        while poller.poll(timeout):
+            timeout = 0
+            kind, payload = pull.recv_multipart()
+            if kind == Kind.REQUESTS:
+                for req in dec.requests.decode(payload):
+                    try:
+                        engine.add_request(req)
+                    except SluiceError as e:
+                        rejected.append(_rejection(req.request_id, e))
+            elif kind == Kind.ABORT:
+                engine.abort(dec.abort.decode(payload).request_ids)
+        if os.getppid() != parent:
+            break
+        busy = engine.has_unfinished_requests()
+        outputs = engine.step() if busy else []
+        if busy or was_busy or rejected:
+            push.send_multipart(
+                encode(
+                    Kind.OUTPUTS,
+                    EngineCoreOutputs(
+                        outputs=rejected + outputs,
+                        stats=engine.make_stats(),
+                        timestamp=time.monotonic(),
+                    ),
+                )
+            )
+        was_busy = busy
+    pull.close(linger=0)
+    push.close()
+    ctx.term()
+
+
+def _rejection(request_id: str, e: SluiceError) -> EngineOutput:
+    code = e.code or e.error_type
+    return EngineOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+        error=f"{code}: {e.message}",
+    )

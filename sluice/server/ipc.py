@@ -1,0 +1,71 @@
+"""Wire format between the API process and the engine core process.
+
+Two ZeroMQ PUSH/PULL pipes over ``ipc://`` sockets in a private temp dir; the
+API process binds both, the engine core connects.  Every message is two
+frames: a one-byte kind and a msgspec-msgpack payload::
+
+    API -> engine   b"R"  list[EngineRequest]     add (n > 1 arrives as one batch)
+                    b"A"  EngineAbort             abort
+    engine -> API   b"O"  EngineCoreOutputs       one per engine step (+ stats)
+                    b"Y"  ModelInfo               ready: the model is loaded
+                    b"E"  str                     start-up failed (one readable line)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+import msgspec
+
+from sluice.engine.config import ModelInfo
+from sluice.engine.protocol import EngineAbort, EngineCoreOutputs, EngineRequest
+
+__all__ = ["IpcPaths", "Kind", "encode", "Decoders"]
+
+
+class Kind:
+    REQUESTS = b"R"
+    ABORT = b"A"
+    OUTPUTS = b"O"
+    READY = b"Y"
+    ERROR = b"E"
+
+
+@dataclass(frozen=True)
+class IpcPaths:
+    directory: str
+    input_addr: str  # API -> engine
+    output_addr: str  # engine -> API
+
+    @classmethod
+    def create(cls) -> IpcPaths:
+        d = tempfile.mkdtemp(prefix="sluice-ipc-")
+        return cls(d, f"ipc://{d}/in", f"ipc://{d}/out")
+
+    def cleanup(self) -> None:
+        for name in ("in", "out"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(kind: bytes, payload: object) -> list[bytes]:
+    return [kind, _encoder.encode(payload)]
+
+
+class Decoders:
+    """Typed decoders (one set per process; decoders are not thread-safe)."""
+
+    def __init__(self) -> None:
+        self.requests = msgspec.msgpack.Decoder(list[EngineRequest])
+        self.abort = msgspec.msgpack.Decoder(EngineAbort)
+        self.outputs = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.ready = msgspec.msgpack.Decoder(ModelInfo)
+        self.error = msgspec.msgpack.Decoder(str)

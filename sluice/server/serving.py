@@ -1,0 +1,371 @@
+"""The life of an OpenAI request inside the API process (DESIGN.md, steps 1-5).
+
+    body -> schema -> model -> priority (capped by the key's tier) -> tokenize
+         -> context check -> rate limit -> admission -> engine -> deltas -> response
+
+``OpenAIServing.handle()`` returns either a finished JSON document or an SSE
+body generator; the route (``app.py``) wraps it in a response.  Everything a
+request holds (engine requests, admission slot, in-flight slot, span) is
+released in ``_finish``, whatever way it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.trace import Span, Status, StatusCode
+
+from sluice.auth import KeyInfo, KeyStore, RateLimiter
+from sluice.engine.config import ModelInfo
+from sluice.engine.protocol import EngineRequest, SamplingParams
+from sluice.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    ServiceUnavailableError,
+    SluiceError,
+)
+from sluice.obs.logging import REQUEST_LOGGER
+from sluice.obs.metrics import ServerMetrics
+from sluice.obs.tracing import Tracing
+from sluice.server.admission import AdmissionController
+from sluice.server.codec import TextCodec
+from sluice.server.engine_client import EngineClient
+from sluice.server.generation import Choice, Generation
+from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.render import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, sse_event
+from sluice.types import Priority, parse_priority
+
+__all__ = ["OpenAIServing", "RequestContext", "Prepared"]
+
+log = logging.getLogger("sluice.server")
+request_log = logging.getLogger(REQUEST_LOGGER)
+
+# NOTE(tokenize-offload): short prompts tokenize in well under a millisecond, so
+# they stay on the event loop; long ones go to a worker thread.
+TOKENIZE_INLINE_CHARS = 8192
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    arrival: float  # monotonic
+    span: Span
+    key: KeyInfo | None = None
+    priority: Priority = Priority.P1
+    status: int = 200  # HTTP status for metrics / logs; 499: client went away
+    prompt_tokens: int = 0
+    stream: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    kind: str  # 'completion' | 'chat'
+    request: CompletionRequest | ChatCompletionRequest
+    prompts: list[list[int]]
+    sampling: SamplingParams
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        *,
+        client: EngineClient,
+        codec: TextCodec,
+        model_info: ModelInfo,
+        served_model_name: str,
+        model_aliases: set[str],
+        keys: KeyStore,
+        rate_limiter: RateLimiter,
+        admission: AdmissionController,
+        metrics: ServerMetrics,
+        tracing: Tracing,
+        is_draining: Callable[[], bool],
+    ):
+        self.client = client
+        self.codec = codec
+        self.model_info = model_info
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *model_aliases}
+        self.keys = keys
+        self.rate_limiter = rate_limiter
+        self.admission = admission
+        self.metrics = metrics
+        self.tracing = tracing
+        self.is_draining = is_draining
+        self.inflight: dict[str, Generation] = {}  # HTTP request id -> generation
+        self._token_text_cache: dict[int, str] = {}
+
+    # -- request preparation -------------------------------------------------------
+
+    def check_available(self) -> None:
+        if self.is_draining():
+            raise ServiceUnavailableError("server is shutting down; retry on another replica", retry_after=1.0)
+        if self.client.is_dead:
+            raise ServiceUnavailableError("the engine core is not running", retry_after=1.0)
+
+    def authenticate(self, ctx: RequestContext, authorization: str | None) -> None:
+        ctx.key = self.keys.authenticate(authorization)
+
+    def resolve_priority(self, ctx: RequestContext, header: str | None, body: str | int | None) -> None:
+        raw = header if header is not None else body
+        try:
+            p = parse_priority(raw)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="priority") from None
+        assert ctx.key is not None
+        ctx.priority = ctx.key.cap(p)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(
+                f"model {model!r} is not served here; available: {self.served_model_name!r}"
+            )
+
+    async def prepare(self, ctx: RequestContext, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+        span = self.tracing.tracer.start_span("tokenize", context=_ctx_of(ctx.span))
+        try:
+            prompts = await self._tokenize(req)
+        finally:
+            span.end()
+        max_len = self.model_info.max_model_len
+        longest = max(len(p) for p in prompts)
+        if longest == 0:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if longest >= max_len:
+            raise ContextLengthError(
+                f"this model's context window is {max_len} tokens, but the prompt has {longest} tokens"
+            )
+        if isinstance(req, ChatCompletionRequest):
+            default_max = max_len - longest  # NOTE(chat-default): OpenAI chat has no fixed default
+            sampling = req.sampling_params(default_max)
+            kind = "chat"
+        else:
+            sampling = req.sampling_params(16)
+            kind = "completion"
+        if longest + sampling.max_tokens > max_len:
+            raise ContextLengthError(
+                f"this model's context window is {max_len} tokens; the prompt has {longest} tokens "
+                f"and max_tokens is {sampling.max_tokens} ({longest + sampling.max_tokens} in all). "
+                f"Lower max_tokens to at most {max_len - longest}",
+                param="max_tokens",
+            )
+        vocab = self.model_info.vocab_size
+        for p in prompts:
+            for t in p:
+                if not 0 <= t < vocab:
+                    raise InvalidRequestError(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        ctx.prompt_tokens = sum(len(p) for p in prompts)
+        ctx.stream = req.stream
+        return Prepared(kind, req, prompts, sampling)
+
+    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        codec = self.codec
+        if isinstance(req, ChatCompletionRequest):
+            msgs = req.message_dicts()
+            size = sum(len(m["content"]) for m in msgs)
+
+            def work_chat() -> list[list[int]]:
+                text = codec.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+                # NOTE(chat-bos): the chat template already wrote any BOS it wants.
+                return [codec.encode(text, add_special_tokens=False)]
+
+            return work_chat() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work_chat)
+        items = req.prompts()
+        size = sum(len(p) for p in items if isinstance(p, str))
+
+        def work() -> list[list[int]]:
+            return [codec.encode(p) if isinstance(p, str) else list(p) for p in items]
+
+        return work() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work)
+
+    # -- submission ----------------------------------------------------------------
+
+    def submit(self, ctx: RequestContext, prep: Prepared) -> Generation:
+        sp = prep.sampling
+        n = sp.n
+        assert ctx.key is not None
+        num_tokens = sum(len(p) + sp.max_tokens * n for p in prep.prompts)
+        self.rate_limiter.check(ctx.key, num_tokens)
+        for victim in self.admission.admit(ctx.request_id, ctx.priority, num_tokens):
+            self._shed(victim)
+        reqs: list[EngineRequest] = []
+        choices: list[Choice] = []
+        trace_id = format(ctx.span.get_span_context().trace_id, "032x")
+        for pi, prompt in enumerate(prep.prompts):
+            for j in range(n):
+                index = pi * n + j
+                rid = f"{ctx.request_id}-{index}"
+                # NOTE(n-seeds): with a seed and n > 1, choice j uses seed + j so the
+                # choices differ yet the whole response stays reproducible.
+                seed = None if sp.seed is None else (sp.seed + j) % (2**63)
+                params = SamplingParams(**{**_fields(sp), "n": 1, "seed": seed})
+                reqs.append(
+                    EngineRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling=params,
+                        priority=int(ctx.priority),
+                        arrival_time=ctx.arrival,
+                        trace_id=trace_id,
+                    )
+                )
+                choices.append(Choice(index, rid, pi, self.codec.detokenizer(list(sp.stop), sp.skip_special_tokens)))
+        self.metrics.prompt_tokens.inc(ctx.prompt_tokens)
+        try:
+            stream = self.client.add_requests(reqs)
+        except SluiceError:
+            self.admission.remove(ctx.request_id)
+            raise
+        label = ctx.priority.label
+        gen = Generation(
+            self.client,
+            stream,
+            choices,
+            arrival=ctx.arrival,
+            keep_text=not prep.request.stream,
+            on_started=lambda: self.admission.remove(ctx.request_id),
+            on_choice_done=lambda c: self._choice_done(ctx, c, label),
+        )
+        self.inflight[ctx.request_id] = gen
+        self.metrics.queued.set(self.admission.num_queued)
+        return gen
+
+    def _shed(self, request_id: str) -> None:
+        gen = self.inflight.get(request_id)
+        if gen is None:
+            return
+        gen.close()
+        gen.stream.fail(
+            OverloadedError("shed by admission control to make room for a higher-priority request", retry_after=1.0)
+        )
+
+    def _choice_done(self, ctx: RequestContext, c: Choice, label: str) -> None:
+        self.metrics.observe_finished(label, c.timings, c.num_tokens)
+        t = c.timings
+        if t is not None:
+            self.tracing.record_stages(ctx.span, t, {"sluice.choice": c.index, "sluice.priority": label})
+
+    # -- responses -----------------------------------------------------------------
+
+    def renderer(self, ctx: RequestContext, prep: Prepared) -> Renderer:
+        cls = ChatRenderer if prep.kind == "chat" else CompletionRenderer
+        prefix = "chatcmpl-" if prep.kind == "chat" else "cmpl-"
+        return cls(prefix + ctx.request_id, self.served_model_name, int(time.time()), self.token_text)
+
+    def token_text(self, token_id: int) -> str:
+        s = self._token_text_cache.get(token_id)
+        if s is None:
+            s = self.codec.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text_cache) < 65536:
+                self._token_text_cache[token_id] = s
+        return s
+
+    async def collect(self, ctx: RequestContext, prep: Prepared, gen: Generation) -> dict[str, Any]:
+        async for _ in gen.deltas():
+            pass
+        return self.renderer(ctx, prep).full(gen.choices, ctx.prompt_tokens)
+
+    async def first_events(self, ctx: RequestContext, prep: Prepared, gen: Generation) -> tuple[list[bytes], Renderer, Any]:
+        """Wait for the first deltas (errors so far still become HTTP errors)."""
+        r = self.renderer(ctx, prep)
+        it = gen.deltas().__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            first = []
+        return [sse_event(r.chunk(d)) for d in first], r, it
+
+    async def stream_body(
+        self, ctx: RequestContext, prep: Prepared, gen: Generation, first: list[bytes], r: Renderer, it: Any
+    ) -> AsyncGenerator[bytes, None]:
+        req = prep.request
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            for ev in first:
+                yield ev
+            try:
+                async for deltas in it:
+                    for d in deltas:
+                        yield sse_event(r.chunk(d))
+            except SluiceError as e:
+                ctx.status = e.status_code
+                yield sse_event(e.to_openai())
+                yield SSE_DONE
+                return
+            if include_usage:
+                yield sse_event(r.usage_chunk(ctx.prompt_tokens, gen.num_generated))
+            yield SSE_DONE
+        finally:
+            await it.aclose()
+            self.finish(ctx, gen)
+
+    def finish(self, ctx: RequestContext, gen: Generation | None) -> None:
+        """Release everything the request holds; log and count it (idempotent per request)."""
+        if ctx.extra.get("finished"):
+            return
+        ctx.extra["finished"] = True
+        if gen is not None:
+            if not gen.is_done and ctx.status == 200:
+                ctx.status = 499
+            gen.close()
+            self.inflight.pop(ctx.request_id, None)
+        self.admission.remove(ctx.request_id)
+        self.metrics.queued.set(self.admission.num_queued)
+        label = ctx.priority.label
+        self.metrics.count_request(ctx.status, label)
+        span = ctx.span
+        span.set_attribute("http.response.status_code", ctx.status)
+        span.set_attribute("sluice.priority", label)
+        if ctx.status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+        fields: dict[str, Any] = {
+            "request_id": ctx.request_id,
+            "status": ctx.status,
+            "priority": label,
+            "key": ctx.key.name if ctx.key else None,
+            "model": self.served_model_name,
+            "stream": ctx.stream,
+            "prompt_tokens": ctx.prompt_tokens,
+            "completion_tokens": gen.num_generated if gen else 0,
+            "e2e_s": round(time.monotonic() - ctx.arrival, 6),
+        }
+        if gen is not None and gen.choices:
+            c = gen.choices[0]
+            t = c.timings
+            fields["finish_reasons"] = [ch.finish_reason for ch in gen.choices]
+            if t is not None:
+                fields["queue_s"] = _dur(t.arrival, t.first_scheduled)
+                fields["prefill_s"] = _dur(t.first_scheduled, t.first_token)
+                fields["decode_s"] = _dur(t.first_token, t.finished)
+                fields["ttft_s"] = _dur(t.arrival, t.first_token)
+        if ctx.extra.get("error"):
+            fields["error"] = ctx.extra["error"]
+        request_log.info("request", extra={"fields": fields})
+
+
+def _dur(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(max(0.0, b - a), 6)
+
+
+def _fields(sp: SamplingParams) -> dict[str, Any]:
+    return {f: getattr(sp, f) for f in sp.__struct_fields__}
+
+
+def _ctx_of(span: Span) -> Any:
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(span)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

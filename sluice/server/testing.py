@@ -1,0 +1,297 @@
+"""Fakes for server tests: a deterministic engine core and a byte-level codec.
+
+``FakeEngineCore`` has the ``EngineCore`` methods and runs in the real engine
+core process (spawned, over real ZMQ), so fault-injection tests (engine death,
+drain, hundreds of clients) exercise the real server without a model:
+
+- one token per running request per step, after ``step_delay`` seconds;
+- greedy (temperature 0): letters ``a..z`` cycling from ``sum(prompt) % 26``;
+  sampled: letters from ``random.Random(seed)`` (reproducible with a seed);
+- KV accounting like the real engine: ``ceil(tokens / 16)`` blocks per request.
+
+``FakeCodec`` is a byte tokenizer: ids 0..255 are bytes, 256 is BOS, 257 EOS.
+
+``python -m sluice.server.testing --port 0 [--step-delay S]`` serves it (used by
+the tests that need a separate process: SIGTERM drain, engine kill).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
+from sluice.engine.protocol import (
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    RequestTimings,
+    TokenLogprobs,
+)
+from sluice.errors import ContextLengthError, InvalidRequestError
+
+__all__ = ["FakeEngineCore", "FakeCodec", "FakeDetokenizer", "BOS", "EOS", "VOCAB_SIZE"]
+
+BOS, EOS, VOCAB_SIZE = 256, 257, 258
+
+
+@dataclass
+class _Req:
+    req: EngineRequest
+    rng: random.Random
+    output: list[int] = field(default_factory=list)
+    num_blocks: int = 0
+    timings: RequestTimings | None = None
+
+
+class FakeEngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        step_delay: float = 0.0,
+        num_blocks: int = 4096,
+        max_model_len: int = 512,
+    ):
+        self.config = config
+        self.step_delay = step_delay
+        self.max_model_len = config.max_model_len or max_model_len
+        self.model_info = ModelInfo(
+            name="fake",
+            path="fake",
+            max_model_len=self.max_model_len,
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=(EOS,),
+            dtype="float32",
+            device="cpu",
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            attention_backend="fake",
+        )
+        self.num_blocks = num_blocks
+        self.num_free_blocks = num_blocks
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.to_abort: set[str] = set()
+        self.num_steps = 0
+
+    # -- EngineCore interface ------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if n + req.sampling.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+                f"context window of {self.max_model_len} tokens"
+            )
+        if any(not 0 <= t < VOCAB_SIZE for t in req.prompt_token_ids):
+            raise InvalidRequestError("token id out of range", param="prompt")
+        if req.arrival_time == 0.0:
+            req.arrival_time = time.monotonic()
+        rng = random.Random(req.sampling.seed)  # seed None: OS entropy
+        self.waiting.append(_Req(req, rng, timings=RequestTimings(arrival=req.arrival_time)))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.to_abort.update(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.to_abort)
+
+    def step(self) -> list[EngineOutput]:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        self.num_steps += 1
+        outs: list[EngineOutput] = []
+        now = time.monotonic()
+        if self.to_abort:
+            for queue in (self.waiting, self.running):
+                for r in [r for r in queue if r.req.request_id in self.to_abort]:
+                    queue.remove(r)
+                    self._free(r)
+                    outs.append(self._final(r, FinishReason.ABORT, now))
+            self.to_abort.clear()
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            r = self.waiting[0]
+            need = math.ceil((len(r.req.prompt_token_ids) + 1) / BLOCK_SIZE)
+            if need > self.num_free_blocks:
+                break
+            self.waiting.pop(0)
+            r.num_blocks = need
+            self.num_free_blocks -= need
+            assert r.timings is not None
+            r.timings.first_scheduled = now
+            self.running.append(r)
+        for r in list(self.running):
+            tok = self._next_token(r)
+            r.output.append(tok)
+            self._grow(r)
+            assert r.timings is not None
+            if r.timings.first_token is None:
+                r.timings.first_token = time.monotonic()
+            sp = r.req.sampling
+            lp = None
+            if sp.logprobs is not None:
+                alt = 97 + (tok - 97 + 1) % 26
+                lp = [TokenLogprobs(tok, -0.25, [(tok, -0.25), (alt, -1.75)][: max(sp.logprobs, 0)])]
+            reason = None
+            if len(r.output) >= sp.max_tokens:
+                reason = FinishReason.LENGTH
+            elif tok in sp.stop_token_ids and len(r.output) >= sp.min_tokens:
+                reason = FinishReason.STOP
+            out = EngineOutput(
+                request_id=r.req.request_id,
+                new_token_ids=[tok],
+                logprobs=lp,
+                num_prompt_tokens=len(r.req.prompt_token_ids),
+                num_generated_tokens=len(r.output),
+            )
+            if reason is not None:
+                self.running.remove(r)
+                self._free(r)
+                r.timings.finished = time.monotonic()
+                out.finished, out.finish_reason, out.timings = True, reason, r.timings
+            outs.append(out)
+        return outs
+
+    def make_stats(self) -> EngineStats:
+        used = self.num_blocks - self.num_free_blocks
+        run = [0, 0, 0]
+        wait = [0, 0, 0]
+        for r in self.running:
+            run[r.req.priority] += 1
+        for r in self.waiting:
+            wait[r.req.priority] += 1
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_running_by_priority=run,
+            num_waiting_by_priority=wait,
+            kv_cache_usage=used / self.num_blocks,
+            num_total_blocks=self.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_steps=self.num_steps,
+        )
+
+    # -- internals -----------------------------------------------------------------
+
+    def _next_token(self, r: _Req) -> int:
+        if r.req.sampling.temperature == 0.0:
+            start = sum(r.req.prompt_token_ids) % 26
+            return 97 + (start + len(r.output)) % 26
+        return 97 + r.rng.randrange(26)
+
+    def _grow(self, r: _Req) -> None:
+        need = math.ceil((len(r.req.prompt_token_ids) + len(r.output) + 1) / BLOCK_SIZE)
+        if need > r.num_blocks:
+            self.num_free_blocks -= need - r.num_blocks
+            r.num_blocks = need
+
+    def _free(self, r: _Req) -> None:
+        self.num_free_blocks += r.num_blocks
+        r.num_blocks = 0
+
+    def _final(self, r: _Req, reason: str, now: float) -> EngineOutput:
+        assert r.timings is not None
+        r.timings.finished = now
+        return EngineOutput(
+            request_id=r.req.request_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=len(r.req.prompt_token_ids),
+            num_generated_tokens=len(r.output),
+            timings=r.timings,
+        )
+
+
+class FakeDetokenizer:
+    """Byte-level incremental detokenizer with stop strings (UTF-8 safe)."""
+
+    def __init__(self, stop: list[str], skip_special_tokens: bool = True):
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.pending = b""  # bytes not yet a whole UTF-8 sequence
+        self.text = ""  # decoded, not yet emitted (held back for stop matching)
+        self.stopped = False
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self.pending += bytes(t for t in token_ids if t < 256)
+        try:
+            self.text += self.pending.decode("utf-8")
+            self.pending = b""
+        except UnicodeDecodeError as e:
+            self.text += self.pending[: e.start].decode("utf-8")
+            self.pending = self.pending[e.start :]
+        for s in self.stop:
+            i = self.text.find(s)
+            if i >= 0:
+                self.stopped = True
+                out, self.text = self.text[:i], ""
+                return out
+        cut = max(0, len(self.text) - self.holdback)
+        out, self.text = self.text[:cut], self.text[cut:]
+        return out
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        out = self.text + self.pending.decode("utf-8", errors="replace")
+        self.text, self.pending = "", b""
+        return out
+
+
+class FakeCodec:
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+    def detokenizer(self, stop: list[str], skip_special_tokens: bool = True) -> FakeDetokenizer:
+        return FakeDetokenizer(stop, skip_special_tokens)
+
+
+def fake_codec_factory(model: str) -> FakeCodec:
+    return FakeCodec()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import functools
+
+    from sluice.server.config import load_settings
+    from sluice.server.runner import run_server
+
+    p = argparse.ArgumentParser(description="sluice serve on the fake engine (tests only)")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--step-delay", type=float, default=0.01)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    args = p.parse_args(argv)
+    settings = load_settings(
+        model="fake", port=args.port, shutdown_timeout=args.shutdown_timeout, max_model_len=args.max_model_len
+    )
+    run_server(
+        settings,
+        engine_factory=functools.partial(FakeEngineCore, step_delay=args.step_delay),
+        codec_factory=fake_codec_factory,
+    )
+
+
+if __name__ == "__main__":
+    main()
