@@ -17,7 +17,7 @@ import asyncio
 import enum
 import math
 import random
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,14 +78,13 @@ class LoadSpec:
         }[self.mode]
 
     def to_dict(self) -> dict[str, object]:
-        d: dict[str, object] = {"mode": self.mode.value, "level": self.level}
-        d.update({
+        fields: dict[LoadMode, dict[str, object]] = {
             LoadMode.CLOSED: {"concurrency": self.concurrency},
             LoadMode.POISSON: {"rate": self.rate},
             LoadMode.RAMP: {"users": self.users, "spawn_rate": self.spawn_rate},
             LoadMode.TRACE: {"trace_speed": self.trace_speed},
-        }[self.mode])  # fmt: skip
-        return d
+        }
+        return {"mode": self.mode.value, "level": self.level, **fields[self.mode]}
 
 
 def poisson_gaps(rate: float, rng: random.Random) -> Iterator[float]:

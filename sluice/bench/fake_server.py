@@ -47,6 +47,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from sluice.bench.aio import run_event_loop
+
 __all__ = ["FakeConfig", "FakeServer", "FakeServerThread", "main"]
 
 
@@ -281,14 +283,8 @@ async def _serve_forever(cfg: FakeConfig, host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, host, port = _parse_args(argv)
-    try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        run = asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        run(_serve_forever(cfg, host, port))
+        run_event_loop(_serve_forever(cfg, host, port))
 
 
 if __name__ == "__main__":

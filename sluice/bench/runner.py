@@ -91,11 +91,12 @@ class _Context:
 
     def __init__(self, client: Sender, specs: Iterator[RequestSpec], max_requests: int,
                  deadline: float, stop: asyncio.Event, phase: int, live: LiveStats | None,
-                 clock: Callable[[], float]) -> None:  # fmt: skip
+                 clock: Callable[[], float], run_t0: float | None) -> None:  # fmt: skip
         self.client, self.specs, self.max_requests = client, specs, max_requests
         self.deadline, self.stop, self.phase, self.live = deadline, stop, phase, live
         self.clock = clock
-        self.t0 = clock()
+        self.t0 = clock()  # the phase's start: drivers schedule from it
+        self.run_t0 = self.t0 if run_t0 is None else run_t0  # records' time axis
         self.num_sent = 0
         self.in_flight: set[asyncio.Task[None]] = set()
         self.records: list[RequestRecord] = []
@@ -123,7 +124,7 @@ class _Context:
         if self.live:
             self.live.on_sent()
         try:
-            rec = await self.client.send(spec, self.t0, self.phase)
+            rec = await self.client.send(spec, self.run_t0, self.phase)
         except asyncio.CancelledError:
             self.num_cancelled += 1
             raise
@@ -145,12 +146,17 @@ async def run_phase(
     seed: int = 0,
     live: LiveStats | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    run_t0: float | None = None,
 ) -> PhaseResult:
-    """Send ``load`` until a cap, then drain; ``stop`` (Ctrl-C) ends it early."""
+    """Send ``load`` until a cap, then drain; ``stop`` (Ctrl-C) ends it early.
+
+    Records' times count from ``run_t0`` (default: this phase's start), so the
+    phases of a sweep share one time axis.
+    """
     if max_requests < 1 or not duration_s > 0:
         raise ValueError("a run needs a request cap >= 1 and a duration > 0")
     stop = stop or asyncio.Event()
-    ctx = _Context(client, specs, max_requests, clock() + duration_s, stop, phase, live, clock)
+    ctx = _Context(client, specs, max_requests, clock() + duration_s, stop, phase, live, clock, run_t0)
     driver = asyncio.create_task(make_driver(load, seed).run(ctx))
     stopper = asyncio.create_task(stop.wait())
     try:

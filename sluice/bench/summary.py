@@ -16,6 +16,7 @@ latencies; errors enter ``error_rate`` and ``errors``.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def _error_reason(error: str) -> str:
 def _summarize_class(records: Sequence[RequestRecord], duration_s: float, slo: RequestSLO) -> dict[str, Any]:
     ok = [r for r in records if r.is_ok]
     n, n_ok = len(records), len(ok)
-    dur = duration_s if duration_s > 0 else float("nan")
+    dur = duration_s if duration_s > 0 else math.inf  # no window: rates are 0, never NaN
     num_good = sum(1 for r in ok if slo.is_good(r))
     itl = [x for r in ok for x in r.itl_s]
     num_out = sum(r.num_output_tokens for r in ok)

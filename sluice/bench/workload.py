@@ -50,13 +50,14 @@ __all__ = [
 # which is one token in the usual BPE vocabularies (Llama, SmolLM, GPT-2), so a
 # prompt of N words is close to N tokens.  The server's `usage.prompt_tokens`,
 # when given, is what the report uses.
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is you that it he was for on are as with his they at be this have "
     "from or one had by word but not what all were we when your can said there use an each "
     "which she do how their if will up other about out many then them these so some her would "
     "make like him into time has look two more write go see number no way could people my than "
     "first water been call who oil its now find long down day did get come made may part"
-).split()
+)
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 class Api(str, enum.Enum):
@@ -281,13 +282,14 @@ def load_trace(path: str | Path) -> tuple[TraceEntry, ...]:
             if not isinstance(d, dict):
                 raise ValueError("not a JSON object")
             prompt = d.get("prompt")
-            n_in = d.get("prompt_len", d.get("input_len"))
-            if prompt is None and n_in is None:
+            raw_in: Any = d.get("prompt_len", d.get("input_len"))
+            if prompt is None and raw_in is None:
                 raise ValueError("needs 'prompt' or 'prompt_len'")
             if prompt is not None and not isinstance(prompt, str):
                 raise ValueError("'prompt' must be a string")
-            n_in = int(n_in) if n_in is not None else len(str(prompt).split())
-            n_out = int(d.get("max_tokens", d.get("output_len", 64)))
+            n_in = int(raw_in) if raw_in is not None else len(str(prompt).split())
+            raw_out: Any = d.get("max_tokens", d.get("output_len", 64))
+            n_out = int(raw_out)
             ts = d.get("timestamp")
             prio = parse_priority(d["priority"]) if "priority" in d else None
             if n_in < 0 or n_out < 1:
