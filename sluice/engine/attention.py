@@ -1,0 +1,276 @@
+"""Attention over the paged KV cache, behind one interface.
+
+    KV cache of one layer (K and V alike):
+      [num_blocks, block_size=16, num_kv_heads, head_dim]
+    token t of a sequence lives in block  block_table[t // 16], row t % 16;
+    its flat "slot" is  block_id * 16 + t % 16  (the slot mapping).
+
+Backends (chosen once at start-up, reported by ``sluice doctor``):
+
+- ``torch``: the reference, any device.  Gathers each sequence's blocks into a
+  contiguous tensor and runs ``scaled_dot_product_attention``.
+- ``cpu_paged``: reads K/V in place from the blocks with a small C++ kernel
+  (``csrc_paged_attention``, compiled once with ``torch.utils.cpp_extension``
+  and cached), online softmax, OpenMP over (token, head).  A sequence's first
+  prefill chunk (no earlier context) does not touch the cache at all: it uses
+  SDPA with a causal mask on the fresh K/V.
+
+Both write the new K/V into the cache first (``index_copy_`` on the slots).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "CpuPagedAttention", "make_attention_backend", "available_backends"]
+
+log = logging.getLogger("sluice.engine")
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64, cache slot of each new token
+    query_start_loc: list[int]  # (S+1,) start of each sequence's tokens in the flat batch
+    seq_lens: list[int]  # (S,) context length after this step (cached + new)
+    block_tables: torch.Tensor  # (S, max_blocks) int32, padded with 0
+    num_blocks_per_seq: list[int]  # (S,) valid entries in each block table row
+    # derived tensors for kernels
+    query_start_loc_t: torch.Tensor  # (S+1,) int32
+    seq_lens_t: torch.Tensor  # (S,) int32
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def q_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+class AttentionBackend:
+    name = "base"
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float):
+        self.k_caches, self.v_caches, self.scale = k_caches, v_caches, scale
+        self.meta: AttentionMetadata | None = None
+
+    def set_metadata(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert self.meta is not None
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.meta.slot_mapping, v.to(vc.dtype))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _sdpa_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (L, H, D), k/v: (L, Hkv, D) -> (L, H, D)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            is_causal=True, scale=self.scale, enable_gqa=True,
+        )
+        return o.transpose(0, 1)
+
+
+class TorchAttention(AttentionBackend):
+    """Reference: gather the blocks, then SDPA.  Any device."""
+
+    name = "torch"
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None
+        self._write(layer, k, v)
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        out = torch.empty_like(q)
+        for i in range(meta.num_seqs):
+            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            ql, ctx = e - s, meta.seq_lens[i]
+            blocks = meta.block_tables[i, : meta.num_blocks_per_seq[i]].long()
+            kk = kc.index_select(0, blocks).flatten(0, 1)[:ctx]  # (ctx, Hkv, D)
+            vv = vc.index_select(0, blocks).flatten(0, 1)[:ctx]
+            qq = q[s:e].transpose(0, 1)  # (H, ql, D)
+            if ql == ctx:
+                mask = None
+                causal = ql > 1
+            else:
+                # query j sits at position ctx - ql + j and sees keys 0..ctx-ql+j
+                qpos = torch.arange(ctx - ql, ctx, device=q.device).unsqueeze(1)
+                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # (ql, ctx)
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qq, kk.transpose(0, 1).to(q.dtype), vv.transpose(0, 1).to(q.dtype),
+                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
+            )
+            out[s:e] = o.transpose(0, 1)
+        return out
+
+
+_KERNEL_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+// Paged attention for a flattened batch, reading K/V in place from the blocks.
+// q: (T, H, D); k_cache/v_cache: (NB, BS, Hkv, D); block_tables: (S, MB) int32;
+// query_start_loc: (S+1) int32; seq_lens: (S) int32.  Out: (T, H, D).
+template <typename scalar_t>
+static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
+                double scale, torch::Tensor& out) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = kc.size(1), Hkv = kc.size(2), MB = bt.size(1), S = sl.size(0);
+  const int64_t group = H / Hkv;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = kc.data_ptr<scalar_t>();
+  const scalar_t* vp = vc.data_ptr<scalar_t>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int32_t* qslp = qsl.data_ptr<int32_t>();
+  const int32_t* slp = sl.data_ptr<int32_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  std::vector<int32_t> seq_of(T);
+  for (int64_t s = 0; s < S; ++s)
+    for (int32_t t = qslp[s]; t < qslp[s + 1]; ++t) seq_of[t] = (int32_t)s;
+  const int64_t kv_row = Hkv * D, kv_block = BS * kv_row;
+  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(D), acc(D), scores(BS);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / H, h = item % H, hk = h / group;
+      const int32_t s = seq_of[t];
+      const int64_t ql = qslp[s + 1] - qslp[s];
+      const int64_t n_keys = slp[s] - ql + (t - qslp[s]) + 1;  // causal
+      const scalar_t* qrow = qp + (t * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) { qf[d] = (float)qrow[d] * (float)scale; acc[d] = 0.f; }
+      float m = -INFINITY, l = 0.f;
+      const int32_t* table = btp + s * MB;
+      for (int64_t start = 0; start < n_keys; start += BS) {
+        const int64_t blk = table[start / BS];
+        const int64_t nb = std::min<int64_t>(BS, n_keys - start);
+        const scalar_t* kb = kp + blk * kv_block + hk * D;
+        const scalar_t* vb = vp + blk * kv_block + hk * D;
+        float bm = -INFINITY;
+        for (int64_t j = 0; j < nb; ++j) {
+          const scalar_t* kr = kb + j * kv_row;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qf[d] * (float)kr[d];
+          scores[j] = dot;
+          bm = std::max(bm, dot);
+        }
+        const float m_new = std::max(m, bm);
+        const float corr = std::exp(m - m_new);
+        l *= corr;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+        for (int64_t j = 0; j < nb; ++j) {
+          const float p = std::exp(scores[j] - m_new);
+          l += p;
+          const scalar_t* vr = vb + j * kv_row;
+          for (int64_t d = 0; d < D; ++d) acc[d] += p * (float)vr[d];
+        }
+        m = m_new;
+      }
+      scalar_t* orow = op + (t * H + h) * D;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) orow[d] = (scalar_t)(acc[d] * inv);
+    }
+  });
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor query_start_loc,
+                              torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat) run<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+  else if (q.scalar_type() == torch::kBFloat16) run<c10::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+  else TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
+  return out;
+}
+"""
+
+_kernel_module = None
+
+
+def load_cpu_kernel(verbose: bool = False):  # type: ignore[no-untyped-def]
+    """Compile (first time only; cached under ~/.cache/torch_extensions) and return the kernel module."""
+    global _kernel_module  # NOTE(cache): a compiled extension is process-wide by nature
+    if _kernel_module is None:
+        from torch.utils.cpp_extension import load_inline
+
+        flags = ["-O3", "-fopenmp", "-ffast-math"]
+        if os.environ.get("SLUICE_KERNEL_NATIVE", "1") == "1":
+            flags.append("-march=native")
+        _kernel_module = load_inline(
+            name="sluice_paged_attention_v1",
+            cpp_sources=_KERNEL_SRC,
+            functions=["paged_attention"],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+    return _kernel_module
+
+
+class CpuPagedAttention(AttentionBackend):
+    name = "cpu_paged"
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float):
+        super().__init__(k_caches, v_caches, scale)
+        self.kernel = load_cpu_kernel()
+
+    def set_metadata(self, meta: AttentionMetadata) -> None:
+        super().set_metadata(meta)
+        # sequences whose whole context is new this step: plain causal SDPA, no cache read
+        self._fresh = [meta.q_len(i) == meta.seq_lens[i] and meta.q_len(i) > 1 for i in range(meta.num_seqs)]
+        self._all_paged = not any(self._fresh)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None
+        self._write(layer, k, v)
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        if self._all_paged:
+            return self.kernel.paged_attention(
+                q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self.scale
+            )
+        out = self.kernel.paged_attention(
+            q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self.scale
+        ) if not all(self._fresh) else torch.empty_like(q)
+        for i, fresh in enumerate(self._fresh):
+            if fresh:
+                s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+                out[s:e] = self._sdpa_causal(q[s:e], k[s:e], v[s:e])
+        return out
+
+
+def available_backends(device: str) -> list[str]:
+    names = ["torch"]
+    if device == "cpu":
+        try:
+            load_cpu_kernel()
+            names.append("cpu_paged")
+        except Exception as e:  # no compiler: the reference still works
+            log.warning("cpu_paged attention unavailable (%s); using the torch backend", e)
+    return names
+
+
+def make_attention_backend(
+    name: str | None, device: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float
+) -> AttentionBackend:
+    if name is None:
+        name = "cpu_paged" if device == "cpu" and "cpu_paged" in available_backends(device) else "torch"
+    if name == "torch":
+        return TorchAttention(k_caches, v_caches, scale)
+    if name == "cpu_paged":
+        if device != "cpu":
+            raise ValueError("the cpu_paged attention backend runs on the CPU only")
+        return CpuPagedAttention(k_caches, v_caches, scale)
+    raise ValueError(f"unknown attention backend {name!r}: use torch or cpu_paged")

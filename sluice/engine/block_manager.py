@@ -1,0 +1,181 @@
+"""KV block pool: free list, reference counts, prefix caching, LRU eviction.
+
+    block table of a request (block_size = 16 tokens)
+    ┌────────┬────────┬────────┬──────┐
+    │ blk 7  │ blk 2  │ blk 9  │ blk 4│  <- last block partially filled
+    └────────┴────────┴────────┴──────┘
+      full     full     full    (no hash yet)
+      h0=H(∅,t0..15)  h1=H(h0,t16..31) ...   chained hashes of full blocks
+
+A full block is known by the chained hash of its tokens and its predecessor's
+hash, so equal hashes mean equal prefixes.  A new request walks its prompt's
+hashes and takes every leading block already cached (ref_count += 1); it then
+computes only the rest.  A block whose ref_count drops to 0 keeps its hash and
+content and goes to the *end* of the free list; allocation takes from the
+*front*, so cached blocks nobody holds are evicted least-recently-used first.
+
+Invariant (checked by the property tests): every block is either held
+(ref_count > 0) or in the free list, never both, and after every request is
+freed, free blocks == total blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from sluice.engine.request import Request
+
+__all__ = ["BlockManager", "hash_block"]
+
+
+def hash_block(prev_hash: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev_hash, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hash_by_block: list[int | None] = [None] * num_blocks
+        self.block_by_hash: dict[int, int] = {}
+        # free blocks in eviction order (front = evicted first); value unused
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.num_prefix_queries = 0  # prompt tokens looked up (cumulative)
+        self.num_prefix_hits = 0  # prompt tokens found (cumulative)
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------ prefix cache
+
+    def _prefix_hashes(self, token_ids: list[int], max_blocks: int) -> list[int]:
+        bs, prev, out = self.block_size, None, []
+        for i in range(max_blocks):
+            prev = hash_block(prev, tuple(token_ids[i * bs : (i + 1) * bs]))
+            out.append(prev)
+        return out
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Cached block ids for the request's leading full blocks (at least one token is left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        # NOTE(prefix-last-token): never take the whole prompt from cache: the
+        # last token must run through the model to produce logits.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._prefix_hashes(req.token_ids, max_blocks):
+            b = self.block_by_hash.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    # ------------------------------------------------------------ allocation
+
+    def _take_free(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        h = self.hash_by_block[b]
+        if h is not None:  # evict its cached content
+            if self.block_by_hash.get(h) == b:
+                del self.block_by_hash[h]
+            self.hash_by_block[b] = None
+        self.ref_counts[b] = 1
+        return b
+
+    def _hold(self, b: int) -> None:
+        if self.ref_counts[b] == 0:
+            del self.free[b]
+        self.ref_counts[b] += 1
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if cached:
+            need -= len(cached)
+            # cached blocks nobody holds sit in the free list: taking them uses free slots
+            need += sum(1 for b in cached if self.ref_counts[b] == 0)
+        return need <= len(self.free)
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Give ``req`` blocks for ``num_computed + num_new_tokens`` tokens.
+
+        ``cached`` (first allocation only) are prefix blocks from ``lookup_prefix``:
+        they are shared and their tokens counted as computed.  Returns False and
+        changes nothing when the blocks do not fit.
+        """
+        if not self.can_allocate(req, num_new_tokens, cached):
+            return False
+        if cached:
+            assert not req.block_ids, "prefix blocks are only taken at the first allocation"
+            for b in cached:
+                self._hold(b)
+            req.block_ids.extend(cached)
+            req.block_hashes = [self.hash_by_block[b] for b in cached]  # type: ignore[misc]
+            req.num_computed_tokens = len(cached) * self.block_size
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        for _ in range(need):
+            req.block_ids.append(self._take_free())
+        return True
+
+    def free_request(self, req: Request) -> None:
+        """Release the request's blocks; tail blocks first so they are evicted first."""
+        for b in reversed(req.block_ids):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] < 0:
+                raise RuntimeError(f"block {b} freed twice (request {req.request_id})")
+            if self.ref_counts[b] == 0:
+                if self.hash_by_block[b] is None:
+                    self.free[b] = None
+                    self.free.move_to_end(b, last=False)  # uncached: reuse first
+                else:
+                    self.free[b] = None
+        req.block_ids = []
+        req.block_hashes = []
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register hashes for the request's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        prev = req.block_hashes[-1] if req.block_hashes else None
+        for i in range(len(req.block_hashes), num_full):
+            h = hash_block(prev, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            req.block_hashes.append(h)
+            prev = h
+            b = req.block_ids[i]
+            if h not in self.block_by_hash and self.hash_by_block[b] is None:
+                self.block_by_hash[h] = b
+                self.hash_by_block[b] = h
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_queries += num_prompt_tokens
+        self.num_prefix_hits += num_hit_tokens
+
+    def check_invariants(self) -> None:
+        for b in range(self.num_blocks):
+            rc = self.ref_counts[b]
+            if rc < 0:
+                raise AssertionError(f"block {b} has ref_count {rc}")
+            if (rc == 0) != (b in self.free):
+                raise AssertionError(f"block {b}: ref_count {rc} but in free list = {b in self.free}")
+        for h, b in self.block_by_hash.items():
+            if self.hash_by_block[b] != h:
+                raise AssertionError(f"hash map points {h} -> {b} but block has {self.hash_by_block[b]}")

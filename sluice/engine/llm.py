@@ -1,0 +1,252 @@
+"""The offline API: ``sluice.LLM``, the engine core driven in-process.
+
+    from sluice import LLM, SamplingParams
+    llm = LLM("smollm2")
+    outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].text, outs[0].finish_reason, outs[0].timings.ttft)
+    print(llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0].text)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.core import EngineCore
+from sluice.engine.protocol import EngineOutput, EngineRequest, RequestTimings, SamplingParams, TokenLogprobs
+from sluice.errors import InvalidRequestError
+from sluice.models.tokenizer import IncrementalDetokenizer, load_tokenizer
+from sluice.types import Priority, parse_priority
+
+__all__ = ["LLM", "RequestOutput", "CompletionOutput"]
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    timings: RequestTimings | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class _Seq:
+    parent: int  # index of the prompt
+    index: int  # completion index within its prompt (n > 1)
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    last: EngineOutput | None = None
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **engine_args: Any):
+        cfg = EngineConfig(model=model)
+        for k, v in engine_args.items():
+            if not hasattr(cfg, k):
+                raise TypeError(f"LLM() got an unexpected argument {k!r}")
+            if v is not None:
+                setattr(cfg, k, v)
+        self.engine = EngineCore(cfg)
+        self.tokenizer = load_tokenizer(self.engine.source)
+        for e in self.tokenizer.eos_token_ids:
+            if e not in self.engine.eos_token_ids:
+                self.engine.eos_token_ids.append(e)
+
+    # ------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: str | int | Priority | Sequence[str | int | Priority] | None = None,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        plist = self._normalize_prompts(prompts)
+        n = len(plist)
+        params_list = self._broadcast(params or SamplingParams(), n, "params")
+        prio_list = self._broadcast(priority, n, "priority")
+        ids_list = [self._encode(p) for p in plist]
+        return self._run(plist, ids_list, params_list, prio_list, progress)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self.generate(ids, params, **kwargs)
+
+    def stream(self, prompt: str, params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[str]:
+        """Yield text pieces of one completion as they are generated."""
+        params = params or SamplingParams()
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self._encode(prompt)
+        rid = uuid.uuid4().hex
+        self.engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=params))
+        detok = self.tokenizer.detokenizer(params.stop, params.skip_special_tokens, ids)
+        done = False
+        while not done:
+            for out in self.engine.step():
+                if out.request_id != rid:
+                    continue
+                piece = detok.push(out.new_token_ids)
+                if piece:
+                    yield piece
+                if detok.stopped and not out.finished:
+                    self.engine.abort([rid])
+                    self.engine.step()
+                    done = True
+                elif out.finished:
+                    tail = detok.flush()
+                    if tail:
+                        yield tail
+                    done = True
+
+    # ------------------------------------------------------------ internals
+
+    @staticmethod
+    def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]
+        out = list(prompts)  # type: ignore[arg-type]
+        if not out:
+            raise InvalidRequestError("no prompts given", param="prompt")
+        for p in out:
+            if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
+                raise InvalidRequestError("each prompt must be a string or a list of token ids", param="prompt")
+        return out
+
+    @staticmethod
+    def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise InvalidRequestError(f"{name}: got {len(value)} values for {n} prompts", param=name)
+            return list(value)
+        return [value] * n
+
+    def _encode(self, p: Prompt) -> list[int]:
+        return self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+
+    def _run(
+        self,
+        prompts: list[Prompt],
+        ids_list: list[list[int]],
+        params_list: list[SamplingParams],
+        prio_list: list[Any],
+        progress: bool | None,
+    ) -> list[RequestOutput]:
+        seqs: dict[str, _Seq] = {}
+        added: list[str] = []
+        try:
+            for i, (ids, sp, pr) in enumerate(zip(ids_list, params_list, prio_list)):
+                for j in range(sp.n):
+                    rid = f"{uuid.uuid4().hex}-{i}-{j}"
+                    sub = sp if sp.n == 1 else _with(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
+                    self.engine.add_request(
+                        EngineRequest(
+                            request_id=rid, prompt_token_ids=ids, sampling=sub, priority=int(parse_priority(pr))
+                        )
+                    )
+                    added.append(rid)
+                    seqs[rid] = _Seq(i, j, self.tokenizer.detokenizer(sp.stop, sp.skip_special_tokens, ids))
+        except Exception:
+            self.engine.abort(added)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        self._drain(seqs, progress if progress is not None else len(seqs) >= 16)
+        results: list[RequestOutput] = []
+        for i, (p, ids) in enumerate(zip(prompts, ids_list)):
+            mine = sorted((s for s in seqs.values() if s.parent == i), key=lambda s: s.index)
+            last = mine[0].last
+            results.append(
+                RequestOutput(
+                    request_id=next(r for r, s in seqs.items() if s is mine[0]),
+                    prompt=p if isinstance(p, str) else None,
+                    prompt_token_ids=list(ids),
+                    outputs=[
+                        CompletionOutput(s.index, s.detok.text, s.token_ids, s.finish_reason, s.logprobs or None)
+                        for s in mine
+                    ],
+                    num_cached_tokens=last.num_cached_tokens if last else 0,
+                    num_preemptions=last.num_preemptions if last else 0,
+                    timings=last.timings if last else None,
+                )
+            )
+        return results
+
+    def _drain(self, seqs: dict[str, _Seq], show: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        pending = set(seqs)
+        with Progress(
+            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            disable=not show, transient=True,
+        ) as bar:
+            task = bar.add_task("gen", total=len(pending))
+            while pending:
+                for out in self.engine.step():
+                    s = seqs.get(out.request_id)
+                    if s is None:
+                        continue
+                    s.last = out
+                    s.token_ids.extend(out.new_token_ids)
+                    if out.logprobs:
+                        s.logprobs.extend(out.logprobs)
+                    s.detok.push(out.new_token_ids)
+                    if s.detok.stopped and not out.finished:
+                        self.engine.abort([out.request_id])
+                        s.finish_reason = "stop"
+                    if out.finished:
+                        if s.finish_reason is None:
+                            s.finish_reason = out.finish_reason
+                            s.detok.flush()
+                        if out.request_id in pending:
+                            pending.discard(out.request_id)
+                            bar.advance(task)
+
+
+def _with(sp: SamplingParams, **changes: Any) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(sp, **changes)

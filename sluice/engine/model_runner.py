@@ -1,0 +1,135 @@
+"""Runs one scheduled step on the model: flattens the batch, runs, samples.
+
+The runner owns the model weights, the KV cache tensors and the attention
+backend; it makes no policy decisions.  For each scheduled request it lays
+out ``num_new_tokens`` tokens starting at ``num_computed_tokens``:
+
+    flat batch  [ r0: decode | r1: decode | r2: prefill chunk (5 tokens) ]
+    positions   [   17       |    3       | 32 33 34 35 36               ]
+    slots       [ blk*16+off ...                                          ]
+    sampled?    [   yes      |   yes      | only if the chunk ends the prompt ]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import psutil
+import torch
+
+from sluice.engine.attention import AttentionMetadata, make_attention_backend
+from sluice.engine.config import BLOCK_SIZE, EngineConfig
+from sluice.engine.protocol import TokenLogprobs
+from sluice.engine.sampler import Sampler, SamplingRow
+from sluice.engine.scheduler import SchedulerOutput
+from sluice.errors import InvalidRequestError
+from sluice.models.loader import ModelSource, load_model
+
+__all__ = ["ModelRunner", "resolve_dtype", "kv_bytes_per_block"]
+
+log = logging.getLogger("sluice.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    if name is None:
+        # NOTE(cpu-dtype): float32 is the CPU default: on AVX2/AVX-512 machines
+        # without AMX, bf16 GEMMs are slower here (docs/benchmarks.md).
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise InvalidRequestError(f"unsupported dtype {name!r}: use float32 or bfloat16")
+    return _DTYPES[name]
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * BLOCK_SIZE * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, seed: int = 0):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.monotonic()
+        from sluice.models.loader import load_model_config
+
+        raw = load_model_config(source)
+        ctx = int(raw.get("max_position_embeddings") or 2048)
+        self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx) if config.max_model_len else min(ctx, 8192)
+        self.model = load_model(source, self.dtype, config.device, max_positions=self.max_model_len)
+        cfg = self.model.cfg
+        self.model_config = cfg
+        log.info("loaded %s in %.1fs", source.path, time.monotonic() - t0)
+
+        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        budget = config.kv_cache_memory or int(psutil.virtual_memory().available * config.kv_cache_fraction)
+        self.num_blocks = max(1, budget // per_block)
+        shape = (self.num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.kv_cache_bytes = per_block * self.num_blocks
+        self.attention = make_attention_backend(
+            config.attention_backend, config.device, self.k_caches, self.v_caches, cfg.head_dim**-0.5
+        )
+        self.sampler = Sampler(seed)
+        self.capture_logits = False  # tests: keep a copy of each step's raw logits
+        self.last_logits: torch.Tensor | None = None
+
+    def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_idx: list[int] = []
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            input_ids.extend(req.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            blocks = req.block_ids
+            slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
+            if s.samples:
+                sample_idx.append(qsl[-1] - 1)
+        max_blocks = max(len(t) for t in tables)
+        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=bt.to(dev),
+            num_blocks_per_seq=[len(t) for t in tables],
+            query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids_t, pos_t, meta, sample_idx
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Run the step; return the sampled tokens (one per sampling row, in
+        scheduled order) and their logprobs."""
+        ids, pos, meta, sample_idx = self.build_metadata(sched)
+        self.attention.set_metadata(meta)
+        hidden = self.model(ids, pos, self.attention)
+        if not sample_idx:
+            return [], []
+        logits = self.model.compute_logits(hidden[sample_idx])  # (N, vocab) fp32
+        if self.capture_logits:
+            self.last_logits = logits.clone()
+        return self.sampler(logits, rows)

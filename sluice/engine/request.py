@@ -1,0 +1,95 @@
+"""A request inside the engine core: its tokens, blocks, progress and timings.
+
+One owner per state (STYLE.md): the scheduler moves requests between queues and
+sets ``status``; the block manager owns ``block_ids``; the engine core appends
+sampled tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from sluice.engine.protocol import EngineRequest, RequestTimings, SamplingParams
+from sluice.types import Priority
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, its KV freed, to be recomputed
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        priority: Priority = Priority.P1,
+        arrival_time: float | None = None,
+        trace_id: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.priority = Priority(priority)
+        self.trace_id = trace_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.status = RequestStatus.WAITING
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1: not looked up yet
+        self.num_preemptions = 0
+        self.stop_token_id: int | None = None
+        self.timings = RequestTimings(arrival=arrival_time if arrival_time else time.monotonic())
+        self.num_emitted = 0  # output tokens already published
+
+    @classmethod
+    def from_engine_request(cls, req: EngineRequest) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            Priority(req.priority),
+            req.arrival_time or None,
+            req.trace_id,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefill_done(self) -> bool:
+        # NOTE(decode): a request decodes when only its newest token lacks K/V.
+        return self.num_computed_tokens >= self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.priority.label}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_ids)})"
+        )

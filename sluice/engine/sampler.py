@@ -1,0 +1,116 @@
+"""Token sampling for a batch of rows, each with its own ``SamplingParams``.
+
+Order of logit processing (per row): repetition / frequency / presence
+penalties -> min_tokens masking of EOS and stop ids -> logprobs (of the
+penalised distribution, before temperature) -> greedy argmax, or temperature
+-> top-k -> top-p -> min-p -> draw.
+
+NOTE(seed): a row with a seed draws from its own ``torch.Generator`` (seeded once
+per request), so its output does not depend on what else is in the batch.
+Rows without a seed share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.protocol import SamplingParams, TokenLogprobs
+
+__all__ = ["SamplingRow", "Sampler"]
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far (for repetition penalty)
+    num_prompt_tokens: int
+    generator: torch.Generator | None  # per-request, when seeded
+    banned: list[int]  # token ids masked this step (EOS / stop ids under min_tokens)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        # logits: (N, vocab) float32
+        n = logits.shape[0]
+        logits = self._penalties(logits, rows)
+        for i, r in enumerate(rows):
+            if r.banned:
+                logits[i, r.banned] = float("-inf")
+        logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs_all = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+
+        tokens = [0] * n
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        if greedy:
+            ids = logits[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, ids):
+                tokens[i] = t
+        rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if rand:
+            probs = self._probs(logits[rand], [rows[i].params for i in rand])
+            for j, i in enumerate(rand):
+                gen = rows[i].generator or self.generator
+                # exponential race: argmax p / E with E ~ Exp(1) draws from p
+                q = torch.empty_like(probs[j]).exponential_(1.0, generator=gen)
+                tokens[i] = int((probs[j] / q).argmax())
+
+        out_lp: list[TokenLogprobs | None] = [None] * n
+        if logprobs_all is not None:
+            for j, i in enumerate(logprob_rows):
+                k = rows[i].params.logprobs or 0
+                lp = logprobs_all[j]
+                top: list[tuple[int, float]] = []
+                if k > 0:
+                    v, ix = lp.topk(k)
+                    top = list(zip(ix.tolist(), v.tolist()))
+                out_lp[i] = TokenLogprobs(tokens[i], float(lp[tokens[i]]), top)
+        return tokens, out_lp
+
+    @staticmethod
+    def _penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                out = r.token_ids[r.num_prompt_tokens :]
+                if out:
+                    ids = torch.tensor(out, dtype=torch.long)
+                    counts = torch.zeros(logits.shape[1], dtype=logits.dtype).index_add_(
+                        0, ids, torch.ones(len(out), dtype=logits.dtype)
+                    )
+                    logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        logits = logits / temps
+        top_ks = [p.top_k for p in params]
+        if any(k > 0 for k in top_ks):
+            for j, k in enumerate(top_ks):
+                if 0 < k < logits.shape[1]:
+                    kth = logits[j].topk(k).values[-1]
+                    logits[j][logits[j] < kth] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        top_ps = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_ps):
+            for j, tp in enumerate(top_ps):
+                if tp < 1.0:
+                    sp, si = probs[j].sort(descending=True)
+                    cum = sp.cumsum(0)
+                    drop = (cum - sp) > tp  # keep the smallest set whose mass reaches top_p
+                    sp[drop] = 0.0
+                    probs[j] = torch.zeros_like(probs[j]).scatter_(0, si, sp)
+        min_ps = [p.min_p for p in params]
+        if any(m > 0 for m in min_ps):
+            mp = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
+            probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+        return probs / probs.sum(dim=-1, keepdim=True)
