@@ -68,6 +68,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class _Parsed:
+    raw: bytes
     body: dict[str, Any]
     model: str
     stream: bool
@@ -187,7 +188,7 @@ class Gateway:
             raise InvalidRequestError("'max_tokens' must be a positive integer", param="max_tokens")
         self.pool.versions(model)  # 404 for unknown models, before any routing
         # NOTE(token-estimate): ~4 characters per token; the gateway never tokenizes.
-        return _Parsed(body, model, stream, RouteRequest(model, text, len(text) // 4 + max_tokens))
+        return _Parsed(raw, body, model, stream, RouteRequest(model, text, len(text) // 4 + max_tokens))
 
     def pick_version(self, model: str) -> Version:
         version = self.pool.pick_version(model)
@@ -265,8 +266,10 @@ class Gateway:
 
     def _upstream_body(self, raw_body: _Parsed, version: Version) -> bytes:
         body = raw_body.body
-        if version.served_model and version.served_model != raw_body.model:
-            body = {**body, "model": version.served_model}
+        rename = version.served_model and version.served_model != raw_body.model
+        if not rename and "priority" not in body:
+            return raw_body.raw  # NOTE(no-reencode): forward the client's bytes untouched
+        body = {**body, "model": version.served_model} if rename else dict(body)
         body.pop("priority", None)  # sent as the x-priority header, capped by the key's tier
         return json.dumps(body).encode()
 
