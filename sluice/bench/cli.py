@@ -19,6 +19,7 @@ import json
 import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -119,7 +120,7 @@ def _workload(contract: Any, workload_file: Path | None, flags: dict[str, Any]) 
 
 def _config(
     *, url: str, model: str | None, api_key: str | None, contract: str | None,
-    workload_file: Path | None, flags: dict[str, Any], loads: list[Any], is_sweep: bool,
+    workload_file: Path | None, flags: dict[str, Any], loads: Callable[[Any], list[Any]], is_sweep: bool,
     max_requests: int, duration: str, timeout: float, seed: int, progress: bool | None,
     extra_body: str | None,
 ) -> Any:  # fmt: skip
@@ -143,7 +144,7 @@ def _config(
     if not re.match(r"^https?://", url):
         raise ValueError(f"invalid --url {url!r}: expected http://host:port")
     return BenchConfig(
-        url=url, workload=workload, loads=tuple(loads), max_requests=max_requests,
+        url=url, workload=workload, loads=tuple(loads(workload)), max_requests=max_requests,
         duration_s=parse_duration(duration), model=model, api_key=api_key, is_sweep=is_sweep,
         timeout_s=timeout, seed=seed, contract=c, extra_body=extra,
         show_progress=sys.stderr.isatty() if progress is None else progress,
@@ -234,25 +235,26 @@ def run_cmd(
         if len(given) > 1:
             raise ValueError("give only one of --concurrency, --rate, --users")
         flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=trace, ignore_eos=ignore_eos)  # fmt: skip
-        if not given and trace is None:
+        if not given:
             preset = _default_load(contract)
-            concurrency = preset.get("concurrency")
-            rate = preset.get("rate")
-            users = preset.get("users")
+            concurrency, rate, users = (preset.get(k) for k in ("concurrency", "rate", "users"))
             spawn_rate = float(preset.get("spawn_rate", spawn_rate))
             if concurrency is None and rate is None and users is None:
                 concurrency = 8
-        if trace is not None and not given:
-            load = LoadSpec(LoadMode.TRACE, trace_speed=trace_speed)
-        elif concurrency is not None:
-            load = LoadSpec(LoadMode.CLOSED, concurrency=int(concurrency))
-        elif rate is not None:
-            load = LoadSpec(LoadMode.POISSON, rate=float(rate))
-        else:
-            load = LoadSpec(LoadMode.RAMP, users=int(users or 0), spawn_rate=spawn_rate)
+
+        def load_for(w: Any) -> list[Any]:
+            """A trace replays at its own times unless a load flag is given."""
+            if w.trace and not given:
+                return [LoadSpec(LoadMode.TRACE, trace_speed=trace_speed)]
+            if concurrency is not None:
+                return [LoadSpec(LoadMode.CLOSED, concurrency=int(concurrency))]
+            if rate is not None:
+                return [LoadSpec(LoadMode.POISSON, rate=float(rate))]
+            return [LoadSpec(LoadMode.RAMP, users=int(users or 0), spawn_rate=spawn_rate)]
+
         cfg = _config(
             url=url, model=model, api_key=api_key, contract=contract, workload_file=workload,
-            flags=flags, loads=[load], is_sweep=False, max_requests=max_requests,
+            flags=flags, loads=load_for, is_sweep=False, max_requests=max_requests,
             duration=duration, timeout=timeout, seed=seed, progress=progress, extra_body=extra_body,
         )  # fmt: skip
     except ValueError as e:
@@ -301,7 +303,7 @@ def sweep_cmd(
         flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=None, ignore_eos=ignore_eos)  # fmt: skip
         cfg = _config(
             url=url, model=model, api_key=api_key, contract=contract, workload_file=workload,
-            flags=flags, loads=loads, is_sweep=True, max_requests=max_requests,
+            flags=flags, loads=lambda _: loads, is_sweep=True, max_requests=max_requests,
             duration=duration, timeout=timeout, seed=seed, progress=progress, extra_body=extra_body,
         )  # fmt: skip
     except ValueError as e:

@@ -104,7 +104,7 @@ class FakeServer:
         self.app.router.add_get("/health", self._health)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
