@@ -165,7 +165,7 @@ async def _throughput(gateway: str, concurrency: int, seconds: float) -> dict[st
 
 
 def _shared_prefix_prompts(n: int, num_prefixes: int, rng: random.Random) -> list[str]:
-    words = "the quick brown fox jumps over a lazy dog while serving tokens fast and well".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "serving", "tokens", "fast", "and", "well"]
     prefixes = [
         f"System {i}: " + " ".join(rng.choice(words) for _ in range(300)) for i in range(num_prefixes)
     ]
