@@ -1,0 +1,110 @@
+"""Process-level behaviour of ``sluice serve`` (fake engine, real processes):
+SIGTERM drains, and a dead engine core fails requests fast and exits non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+
+def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.server.testing", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        m = re.search(r"ready in .* at (http://\S+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise RuntimeError("fake server did not start")
+
+
+@pytest.fixture
+def spawn():
+    procs: list[subprocess.Popen[str]] = []
+
+    def make(*args: str) -> tuple[subprocess.Popen[str], str]:
+        proc, url = _start(*args)
+        procs.append(proc)
+        return proc, url
+
+    yield make
+    for p in procs:
+        if p.poll() is None:
+            for child in psutil.Process(p.pid).children(recursive=True):
+                child.kill()
+            p.kill()
+        p.wait(10)
+
+
+def _engine_pid(api_pid: int) -> int:
+    kids = psutil.Process(api_pid).children(recursive=True)
+    engine = [k for k in kids if "resource_tracker" not in " ".join(k.cmdline())]
+    assert engine, "the engine core must run in its own process"
+    return engine[0].pid
+
+
+async def test_sigterm_drains_in_flight_then_exits_zero(spawn) -> None:
+    proc, url = spawn("--step-delay", "0.02", "--shutdown-timeout", "20")
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        inflight = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "d", "max_tokens": 50}))
+                    for _ in range(4)]
+        await asyncio.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        late = await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 1})
+        health = await c.get("/health")
+        done = await asyncio.gather(*inflight)
+    assert late.status_code == 503 and "retry-after" in late.headers, "new requests get 503 while draining"
+    assert health.status_code == 503, "/health must fail while draining so balancers stop sending"
+    assert [r.status_code for r in done] == [200] * 4, "in-flight requests complete during the drain"
+    assert all(r.json()["usage"]["completion_tokens"] == 50 for r in done)
+    assert proc.wait(20) == 0, "a drained server exits 0"
+
+
+async def test_engine_death_fails_requests_with_503_and_exits_nonzero(spawn) -> None:
+    proc, url = spawn("--step-delay", "0.02")
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        plain = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "k", "max_tokens": 200}))
+                 for _ in range(3)]
+
+        async def stream() -> tuple[int, str]:
+            async with c.stream("POST", "/v1/completions",
+                                json={"prompt": "s", "max_tokens": 200, "stream": True}) as r:
+                return r.status_code, "".join([line async for line in r.aiter_lines()])
+
+        streaming = asyncio.create_task(stream())
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*plain), 10)
+        s_status, s_body = await asyncio.wait_for(streaming, 10)
+        elapsed = time.monotonic() - t0
+    assert [r.status_code for r in results] == [503] * 3, "in-flight requests must get 503"
+    assert all(r.json()["error"]["type"] == "service_unavailable" for r in results)
+    assert s_status == 200 and '"error"' in s_body and s_body.endswith("data: [DONE]"), (
+        "a started stream gets an error event and closes"
+    )
+    assert elapsed < 5, f"nothing may hang on a dead engine ({elapsed:.1f}s)"
+    assert proc.wait(15) != 0, "the API process must exit non-zero so a supervisor restarts it"
