@@ -21,7 +21,7 @@ from sluice.bench.record import RequestRecord
 from sluice.bench.sse import SSEDecoder
 from sluice.bench.workload import Api, RequestSpec
 
-__all__ = ["OpenAIStreamClient", "build_body", "error_text"]
+__all__ = ["OpenAIStreamClient", "StreamChunk", "build_body", "decode_chunk", "error_text"]
 
 
 class _Delta(msgspec.Struct):
@@ -33,6 +33,9 @@ class _Choice(msgspec.Struct):
     delta: _Delta | None = None  # chat
     text: str | None = None  # completions
 
+    def output_text(self) -> str | None:
+        return self.text if self.delta is None else (self.delta.content or self.delta.reasoning_content)
+
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
@@ -43,13 +46,21 @@ class _Error(msgspec.Struct):
     message: str = ""
 
 
-class _Chunk(msgspec.Struct):
+class StreamChunk(msgspec.Struct):
+    """One ``data:`` event of an OpenAI stream (chat or completions); unknown fields ignored."""
+
     choices: list[_Choice] = []
     usage: _Usage | None = None
     error: _Error | str | None = None
 
+    def error_message(self) -> str | None:
+        if self.error is None:
+            return None
+        msg = self.error if isinstance(self.error, str) else self.error.message
+        return " ".join(msg.split())
 
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+decode_chunk = msgspec.json.Decoder(StreamChunk).decode  # raises msgspec.DecodeError
 _encode = msgspec.json.Encoder().encode
 
 
@@ -164,19 +175,17 @@ class OpenAIStreamClient:
                         rec.num_input_tokens = usage.prompt_tokens
                     return
                 try:
-                    chunk = _decode_chunk(data)
+                    chunk = decode_chunk(data)
                 except msgspec.DecodeError as e:
                     rec.error = f"malformed SSE chunk: {e}: {data[:60]!r}"[:200]
                     return
                 if chunk.error is not None:
-                    msg = chunk.error if isinstance(chunk.error, str) else chunk.error.message
-                    rec.error = f"error event in stream: {' '.join(msg.split())}"[:200]
+                    rec.error = f"error event in stream: {chunk.error_message()}"[:200]
                     return
                 if chunk.usage is not None:
                     usage = chunk.usage
                 for c in chunk.choices:
-                    text = c.text if c.delta is None else (c.delta.content or c.delta.reasoning_content)
-                    if text:
+                    if c.output_text():
                         if rec.ttft_s is None:
                             rec.ttft_s = now - start
                         else:

@@ -175,14 +175,17 @@ class FakeServer:
             await asyncio.sleep(delay)
         token = self._token[api]
         end = num_out if cut_at is None else cut_at
-        if cfg.tokens_per_s <= 0:
-            await resp.write(token * end)
-        else:
-            gap = 1.0 / cfg.tokens_per_s
-            for i in range(end):
-                if i:
-                    await asyncio.sleep(gap)
-                await resp.write(token)
+        try:
+            if cfg.tokens_per_s <= 0:
+                await resp.write(token * end)
+            else:
+                gap = 1.0 / cfg.tokens_per_s
+                for i in range(end):
+                    if i:
+                        await asyncio.sleep(gap)
+                    await resp.write(token)
+        except ConnectionResetError:  # the client went away (a load test stopping): not an error
+            return resp
         if cut_at is not None:
             if cfg.midstream_mode == "reset":
                 if request.transport is not None:
