@@ -88,7 +88,7 @@ class GatewayMetrics:
         )
         self.added_latency = Histogram(
             "sluice_gateway_added_latency_seconds",
-            "Time the gateway adds before the upstream request is sent and after its first byte",
+            "Time from request arrival to the upstream request being sent (auth, parsing, routing)",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
