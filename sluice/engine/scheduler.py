@@ -35,11 +35,10 @@ __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    samples: bool = field(init=False)  # a token is sampled: the chunk reaches the last known token
 
-    @property
-    def samples(self) -> bool:
-        # a token is sampled when this chunk reaches the end of the known tokens
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass

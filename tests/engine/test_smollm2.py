@@ -1,0 +1,44 @@
+"""SmolLM2 from its GGUF: greedy tokens equal transformers loading the same GGUF; the chat answer is right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engine.protocol import SamplingParams
+from sluice.models.loader import resolve_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of Germany is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def llm():  # type: ignore[no-untyped-def]
+    from sluice import LLM
+
+    return LLM("smollm2", dtype="float32")
+
+
+def test_greedy_tokens_match_transformers_on_the_gguf(llm) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model("smollm2")
+    hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ours = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, ours):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=2
+            )[0, len(ids) :].tolist()
+        assert out.token_ids == ref, f"greedy tokens for {prompt!r} differ from transformers"
+
+
+def test_chat_answer_names_paris(llm) -> None:  # type: ignore[no-untyped-def]
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out[0].text, out[0].text
+    assert out[0].finish_reason == "stop"
+    assert out[0].timings is not None and out[0].timings.ttft is not None
