@@ -1,7 +1,7 @@
 """PNG plots of a run (matplotlib, Agg backend; imported only when ``--out`` is given).
 
     latency_cdf.png  CDFs of TTFT and end-to-end latency, one line per priority class
-    timeline.png     completed requests/s and p95 TTFT per second of the run
+    timeline.png     completed requests/s and p95 TTFT per second of the run (finer bins if short)
     sweep.png        (sweeps) p95 TTFT / E2E and req/s against the load, contract lines drawn
 """
 
@@ -53,11 +53,17 @@ def _timeline(path: Path, records: Sequence[RequestRecord]) -> None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     if records:
         end = max(r.end_s for r in records)
-        nbins = max(1, int(np.ceil(end)))
+        # NOTE(bins): 1 s bins, finer for short runs so that they still show a shape
+        width = 1.0 if end >= 30 else max(0.05, end / 30)
+        nbins = max(1, int(np.ceil(end / width)))
+
+        def bin_of(r: RequestRecord) -> int:
+            return min(nbins - 1, int(r.end_s / width))
+
         ok = [r for r in records if r.is_ok]
-        counts = np.bincount([min(nbins - 1, int(r.end_s)) for r in ok], minlength=nbins)
-        errs = np.bincount([min(nbins - 1, int(r.end_s)) for r in records if not r.is_ok], minlength=nbins)  # fmt: skip
-        t = np.arange(nbins) + 0.5
+        counts = np.bincount([bin_of(r) for r in ok], minlength=nbins) / width
+        errs = np.bincount([bin_of(r) for r in records if not r.is_ok], minlength=nbins) / width
+        t = (np.arange(nbins) + 0.5) * width
         ax1.plot(t, counts, marker=".", label="completed req/s")
         if errs.any():
             ax1.plot(t, errs, marker="x", color="tab:red", label="errors/s")
@@ -65,9 +71,9 @@ def _timeline(path: Path, records: Sequence[RequestRecord]) -> None:
         by_bin: dict[int, list[float]] = {}
         for r in ok:
             if r.ttft_s is not None:
-                by_bin.setdefault(min(nbins - 1, int(r.end_s)), []).append(r.ttft_s * 1000)
+                by_bin.setdefault(bin_of(r), []).append(r.ttft_s * 1000)
         xs = sorted(by_bin)
-        ax2.plot([x + 0.5 for x in xs], [np.percentile(by_bin[x], 95) for x in xs], marker=".", color="tab:orange")  # fmt: skip
+        ax2.plot([(x + 0.5) * width for x in xs], [np.percentile(by_bin[x], 95) for x in xs], marker=".", color="tab:orange")  # fmt: skip
     ax1.set(title="Throughput over time", ylabel="requests / s")
     ax2.set(title="p95 TTFT over time", ylabel="ms", xlabel="seconds since start")
     for ax in (ax1, ax2):

@@ -150,6 +150,7 @@ def test_bench_cli_imports_no_torch_no_engine_no_locust():
     assert out.stdout.strip() == "[]", f"sluice.bench must stay torch- and engine-free: {out.stdout}"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_sending_and_still_reports(fake_server, tmp_path):
     srv = fake_server(ttft_ms=200)
     out = tmp_path / "o"

@@ -97,3 +97,23 @@ def test_error_text_reads_the_openai_message_on_one_line():
     raw = b'{"error": {"message": "model\\n  overloaded", "type": "overloaded_error"}}'
     assert error_text(429, raw) == "HTTP 429: model overloaded"
     assert error_text(502, b"<html>Bad Gateway</html>") == "HTTP 502: <html>Bad Gateway</html>"
+
+
+def test_fake_server_runs_as_a_module_on_a_free_port():
+    import subprocess
+    import sys
+    import urllib.request
+
+    p = subprocess.Popen([sys.executable, "-m", "sluice.bench.fake_server", "--port", "0", "--model", "x"],
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = p.stdout.readline().strip()
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        with urllib.request.urlopen(line.removeprefix("listening on ") + "/v1/models", timeout=5) as r:
+            assert b'"x"' in r.read()
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+    bad = subprocess.run([sys.executable, "-m", "sluice.bench.fake_server", "--error-rate", "2"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert bad.returncode == 2 and "error_rate must be within [0, 1]" in bad.stderr

@@ -77,3 +77,13 @@ def test_the_three_presets_exist_and_say_what_the_issue_asks():
     assert lat.request_slo() == RequestSLO(ttft_ms=350, e2e_ms=800)
     with pytest.raises(ValueError, match="neither a file nor a preset"):
         load_contract("latncy")
+
+
+def test_memory_report_counts_blocks_of_16_tokens_per_request():
+    from sluice.bench.report import memory_report
+
+    recs = [rec(0, 0.1, 1.0, out=12), rec(1, 0.1, 1.0, out=28)]  # 112 and 128 tokens
+    m = memory_report(recs + [rec(2, 0, 0.1, error="x")], {"kv_bytes_per_token": 1024, "block_size": 16})  # fmt: skip
+    assert m is not None and m["blocks_per_request"]["mean"] == 7.5, "ceil(112/16)=7, 128/16=8"
+    assert m["kv_mib_per_request"]["max"] == pytest.approx(8 * 16 * 1024 / 2**20)
+    assert memory_report([rec(0, 0, 0.1, error="x")], {"kv_bytes_per_token": 1}) is None
