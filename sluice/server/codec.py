@@ -31,7 +31,9 @@ class TextCodec(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
 
-    def detokenizer(self, stop: list[str], skip_special_tokens: bool = True) -> Detokenizer: ...
+    def detokenizer(
+        self, stop: list[str], skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+    ) -> Detokenizer: ...
 
 
 class ModelCodec:
@@ -50,10 +52,12 @@ class ModelCodec:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return str(self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
-    def detokenizer(self, stop: list[str], skip_special_tokens: bool = True) -> Detokenizer:
-        from sluice.models.tokenizer import IncrementalDetokenizer
-
-        det: Detokenizer = IncrementalDetokenizer(self._tok, stop=stop, skip_special_tokens=skip_special_tokens)
+    def detokenizer(
+        self, stop: list[str], skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+    ) -> Detokenizer:
+        det: Detokenizer = self._tok.detokenizer(
+            stop=stop, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
+        )
         return det
 
 

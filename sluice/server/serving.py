@@ -218,7 +218,8 @@ class OpenAIServing:
                         trace_id=trace_id,
                     )
                 )
-                choices.append(Choice(index, rid, pi, self.codec.detokenizer(list(sp.stop), sp.skip_special_tokens)))
+                det = self.codec.detokenizer(list(sp.stop), sp.skip_special_tokens, prompt)
+                choices.append(Choice(index, rid, pi, det))
         self.metrics.prompt_tokens.inc(ctx.prompt_tokens)
         try:
             stream = self.client.add_requests(reqs)

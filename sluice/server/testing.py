@@ -262,7 +262,9 @@ class FakeCodec:
         text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
-    def detokenizer(self, stop: list[str], skip_special_tokens: bool = True) -> FakeDetokenizer:
+    def detokenizer(
+        self, stop: list[str], skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+    ) -> FakeDetokenizer:
         return FakeDetokenizer(stop, skip_special_tokens)
 
 
