@@ -6,7 +6,8 @@
     GET  /metrics                                Prometheus text (metrics.py)
     GET  /admin/replicas, /admin/models          state and load figures (admin key)
 
-``build_app(config, *, client=None, clock=None, keys=None)`` builds everything;
+``build_app(config, *, client=None, clock=None, keys=None, tracer_provider=None)``
+builds everything;
 the lifespan owns the scraper task and the upstream HTTP session.  Run it with
 uvicorn (``sluice gateway``) or in-process in tests.
 """
@@ -20,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -88,8 +90,9 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
     keys: KeyStore | None = None,
     run_scraper: bool = True,
+    tracer_provider: TracerProvider | None = None,
 ) -> GatewayApp:
-    gateway = Gateway(config, client=client, clock=clock, keys=keys)
+    gateway = Gateway(config, client=client, clock=clock, keys=keys, tracer_provider=tracer_provider)
     scraper = Scraper(config, gateway.pool, lambda: gateway.client.session, clock=clock)
 
     async def proxy(request: Request) -> Response | ProxyStream:  # only reached via fallback

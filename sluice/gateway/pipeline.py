@@ -47,7 +47,6 @@ from sluice.types import parse_priority
 
 __all__ = ["Outcome", "Gateway", "ProxyStream", "error_response"]
 
-_TRACER = trace.get_tracer("sluice.gateway")
 _DEFAULT_MAX_TOKENS = 256  # token estimate when the request gives none
 
 
@@ -118,8 +117,12 @@ class Gateway:
         client: UpstreamClient | None = None,
         clock: Callable[[], float] = time.monotonic,
         keys: KeyStore | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ):
         self.config = config
+        # NOTE(tracing): the global provider is a no-op until configured; tests
+        # pass their own provider instead of touching global state.
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("sluice.gateway")
         self.clock = clock
         rng = random.Random(config.seed)
         self.pool = ReplicaPool(config, clock=clock, rng=rng)
@@ -153,7 +156,7 @@ class Gateway:
             "x-priority": priority.label,
         }
         ctx = propagate.extract(headers)
-        with _TRACER.start_as_current_span("gateway.route", context=ctx) as span:
+        with self.tracer.start_as_current_span("gateway.route", context=ctx) as span:
             span.set_attribute("sluice.model", parsed.model)
             propagate.inject(upstream_headers)
             return await self._route(path, parsed, upstream_headers, request_id, t0)
@@ -237,7 +240,8 @@ class Gateway:
             tried.add(replica.url)
             replica.add_request(tokens)
             t_sent = self.clock()
-            self.metrics.added_latency.labels(model).observe(t_sent - t0)
+            if attempt == 1:
+                self.metrics.added_latency.labels(model).observe(t_sent - t0)
             try:
                 up = await self.client.open(replica.url + path, body, headers, stream=parsed.stream)
             except AttemptError as e:
@@ -275,8 +279,9 @@ class Gateway:
 
     def _attempt_failed(self, replica: Replica, e: AttemptError, elapsed: float) -> None:
         self.metrics.errors.labels(replica.model, replica.url, e.kind).inc()
-        if e.is_replica_failure:
-            replica.breaker.record(False, elapsed)
+        # NOTE(429): a full replica is alive and answering; it must not trip its
+        # breaker, but a half-open probe slot it held must be given back.
+        replica.breaker.record(not e.is_replica_failure, elapsed)
         if e.kind == "connect":
             replica.health.record_connect_failure(e.message)
 
@@ -383,14 +388,16 @@ class ProxyStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         main = asyncio.current_task()
         client_gone = False
+        finished = False  # the last byte is on its way: a disconnect now is normal
 
         async def watch() -> None:
             nonlocal client_gone
             while (await receive())["type"] != "http.disconnect":
                 pass
-            client_gone = True
-            if main is not None:
-                main.cancel()
+            if not finished:
+                client_gone = True
+                if main is not None:
+                    main.cancel()
 
         watcher = asyncio.ensure_future(watch())
         error: AttemptError | None = None
@@ -405,6 +412,7 @@ class ProxyStream:
                 error = e
                 event = {"error": {"message": f"replica failed mid-stream: {e.message}", "type": "upstream_error", "param": None, "code": "upstream_stream"}}
                 await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n", "more_body": True})
+            finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not client_gone:

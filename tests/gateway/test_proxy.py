@@ -100,3 +100,47 @@ async def test_metrics_and_models_endpoints(http: httpx.AsyncClient) -> None:
         ):
             assert name in text, f"/metrics must export {name}"
         assert f'sluice_gateway_requests_total{{model="m",replica="{fakes[0].url}",status="200"}} 1.0' in text
+
+
+async def test_client_disconnect_stops_the_replica_stream(http: httpx.AsyncClient) -> None:
+    import asyncio
+
+    async with fake_backends(1, num_chunks=50, chunk_delay_s=0.05) as fakes, serve_gateway(
+        gateway_config([fakes[0].url])
+    ) as (url, app):
+        async with http.stream("POST", url + "/v1/completions", json=_completion(stream=True)) as r:
+            async for _ in r.aiter_raw():
+                break  # read one chunk, then hang up
+        replica = next(iter(app.state.gateway.pool.replicas()))
+        for _ in range(40):
+            if fakes[0].num_in_flight == 0 and replica.num_inflight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert fakes[0].num_in_flight == 0, "a client hang-up must close the upstream stream (the replica aborts)"
+        assert replica.num_inflight == 0 and replica.inflight_tokens == 0, "the gateway must release its load count"
+        assert sum(fakes[0].completed.values()) == 0, "the replica must not finish a stream nobody reads"
+
+
+async def test_gateway_adds_its_own_span_under_the_clients_trace(http: httpx.AsyncClient) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    async with fake_backends(1) as fakes, serve_gateway(
+        gateway_config([fakes[0].url]), tracer_provider=provider
+    ) as (url, _):
+        r = await http.post(url + "/v1/completions", json=_completion(), headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        assert r.status_code == 200
+    spans = [s for s in exporter.get_finished_spans() if s.name == "gateway.route"]
+    assert len(spans) == 1, "each routed request must produce one gateway span"
+    span = spans[0]
+    assert format(span.context.trace_id, "032x") == trace_id, "the gateway span must join the client's trace"
+    assert span.parent is not None and format(span.parent.span_id, "016x") == parent
+    sent = fakes[0].headers[0]["traceparent"].split("-")
+    assert sent[1] == trace_id and sent[2] == format(span.context.span_id, "016x"), (
+        "the replica's parent span must be the gateway's span"
+    )
