@@ -14,7 +14,6 @@ one core.  Run:  python benchmarks/bench_client.py   (about 20 s; last line JSON
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -76,6 +75,7 @@ async def measure(url: str, load: LoadSpec, n: int) -> dict[str, float]:
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]
     results: dict[str, dict[str, float]] = {}
     for name, flags, load, n in PHASES:
         proc, url = start_fake(flags)
@@ -93,10 +93,13 @@ def main() -> None:
     table = markdown_table(headers, rows)
     print(table)
     target_ok = results["open"]["rps"] >= 950 and results["open"]["errors"] == 0
+    load_after = os.getloadavg()[0]
     body = (
         "## `sluice bench` client overhead (`benchmarks/bench_client.py`)\n\n"
         f"{machine_line()}; {os.cpu_count()} cores shared by the client, the fake server "
-        "(`python -m sluice.bench.fake_server`, zero TTFT, own process) and anything else running.  "
+        "(`python -m sluice.bench.fake_server`, zero TTFT, own process) and anything else running "
+        f"(1-min load average {load_before:.1f} before, {load_after:.1f} after: above ~2 the client and "
+        "the fake are starved and the req/s columns drop; CPU ms/req stays meaningful).  "
         "16 output tokens per request, 32-token prompts, chat API, streaming with usage.\n\n"
         f"{table}\n\n"
         f"Target: drive >= 1,000 streamed requests/s against a fast fake server: "
@@ -105,7 +108,7 @@ def main() -> None:
         "if the server were free."
     )
     write_section("bench_client", body)
-    print_json_last({"bench": "bench_client", "target_met": target_ok, **{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()}})  # fmt: skip
+    print_json_last({"bench": "bench_client", "target_met": target_ok, "loadavg_before": load_before, "loadavg_after": load_after, **{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()}})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -172,3 +172,11 @@ def test_ctrl_c_stops_sending_and_still_reports(fake_server, tmp_path):
     assert doc["is_interrupted"] is True and doc["summary"]["num_requests"] >= 4
     assert doc["summary"]["num_errors"] == 0, "in-flight requests finish within the grace"
     assert (out / "summary.json").exists(), "the report is still written after Ctrl-C"
+
+
+def test_progress_line_goes_to_stderr_and_stdout_still_ends_with_json(fake_server, bench):
+    srv = fake_server()
+    r = bench("run", "--url", srv.url, "-n", "10", "--concurrency", "2", "--progress", "--model", "m", "--output-len", "2")  # fmt: skip
+    assert r.exit_code == 0
+    assert "sent 10" in r.stderr and "done 10" in r.stderr, r.stderr
+    assert r.doc["summary"]["num_ok"] == 10
