@@ -132,6 +132,11 @@ async def _gather_users(users: list[asyncio.Task[None]]) -> None:
             u.cancel()
 
 
+def _all_done(tasks: list[asyncio.Task[None]]) -> bool:
+    """True once users were started and every one has run out of requests."""
+    return bool(tasks) and all(t.done() for t in tasks)
+
+
 @dataclass(frozen=True)
 class ClosedLoop:
     concurrency: int
@@ -148,18 +153,13 @@ class Ramp:
     async def run(self, ctx: DriveContext) -> None:
         tasks: list[asyncio.Task[None]] = []
         try:
-            while len(tasks) < self.users and not all_done(tasks):
+            while len(tasks) < self.users and not _all_done(tasks):
                 want = ramp_users_at(ctx.clock() - ctx.t0, self.users, self.spawn_rate)
                 tasks += [asyncio.create_task(_user(ctx)) for _ in range(want - len(tasks))]
                 if len(tasks) < self.users:
                     await asyncio.sleep(min(0.05, 1.0 / self.spawn_rate))
         finally:
             await _gather_users(tasks)
-
-
-def all_done(tasks: list[asyncio.Task[None]]) -> bool:
-    """True once users were started and every one has run out of requests."""
-    return bool(tasks) and all(t.done() for t in tasks)
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,18 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 import yaml
 from rich.console import Console
+
+if TYPE_CHECKING:  # the CLI imports its layer lazily: `sluice --help` stays fast
+    from sluice.bench.arrivals import LoadSpec
+    from sluice.bench.contract import Contract
+    from sluice.bench.record import RequestRecord
+    from sluice.bench.session import BenchConfig
+    from sluice.bench.workload import WorkloadSpec
 
 __all__ = ["register", "bench_app", "parse_duration"]
 
@@ -74,7 +81,7 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
 
 
-def _workload(contract: Any, workload_file: Path | None, flags: dict[str, Any]) -> Any:
+def _workload(contract: Contract | None, workload_file: Path | None, flags: dict[str, Any]) -> WorkloadSpec:
     """Preset workload < --workload file < flags."""
     from sluice.bench.workload import (  # fmt: skip
         Api,
@@ -119,16 +126,14 @@ def _workload(contract: Any, workload_file: Path | None, flags: dict[str, Any]) 
 
 
 def _config(
-    *, url: str, model: str | None, api_key: str | None, contract: str | None,
-    workload_file: Path | None, flags: dict[str, Any], loads: Callable[[Any], list[Any]], is_sweep: bool,
+    *, url: str, model: str | None, api_key: str | None, contract: Contract | None,
+    workload_file: Path | None, flags: dict[str, Any], loads: Callable[[WorkloadSpec], list[LoadSpec]], is_sweep: bool,
     max_requests: int, duration: str, timeout: float, seed: int, progress: bool | None,
     extra_body: str | None,
-) -> Any:  # fmt: skip
-    from sluice.bench.contract import load_contract
+) -> BenchConfig:  # fmt: skip
     from sluice.bench.session import BenchConfig
 
-    c = load_contract(contract) if contract else None
-    workload = _workload(c, workload_file, flags)
+    workload = _workload(contract, workload_file, flags)
     if max_requests < 1:
         raise ValueError("--max-requests must be >= 1")
     if not timeout > 0:
@@ -146,12 +151,12 @@ def _config(
     return BenchConfig(
         url=url, workload=workload, loads=tuple(loads(workload)), max_requests=max_requests,
         duration_s=parse_duration(duration), model=model, api_key=api_key, is_sweep=is_sweep,
-        timeout_s=timeout, seed=seed, contract=c, extra_body=extra,
+        timeout_s=timeout, seed=seed, contract=contract, extra_body=extra,
         show_progress=sys.stderr.isatty() if progress is None else progress,
     )  # fmt: skip
 
 
-async def _execute_with_sigint(cfg: Any) -> tuple[dict[str, Any], list[Any]]:
+async def _execute_with_sigint(cfg: BenchConfig) -> tuple[dict[str, Any], list[RequestRecord]]:
     """First Ctrl-C: stop sending, drain briefly, still report.  Second: abort."""
     from sluice.bench.session import execute
 
@@ -175,7 +180,7 @@ async def _execute_with_sigint(cfg: Any) -> tuple[dict[str, Any], list[Any]]:
             loop.remove_signal_handler(signal.SIGINT)
 
 
-def _finish(cfg: Any, out: Path | None) -> None:
+def _finish(cfg: BenchConfig, out: Path | None) -> None:
     """Run, print the tables and the JSON line, write files, exit with the contract's verdict."""
     from sluice.bench.aio import run_event_loop
     from sluice.bench.report import print_report, write_outputs
@@ -193,10 +198,10 @@ def _finish(cfg: Any, out: Path | None) -> None:
     raise typer.Exit(1 if doc.get("passed") is False else 0)
 
 
-def _default_load(contract: str | None) -> dict[str, Any]:
+def _load_contract(name_or_path: str | None) -> Contract | None:
     from sluice.bench.contract import load_contract
 
-    return dict(load_contract(contract).load) if contract else {}
+    return load_contract(name_or_path) if name_or_path else None
 
 
 @bench_app.command("run")
@@ -231,18 +236,19 @@ def run_cmd(
     from sluice.bench.arrivals import LoadMode, LoadSpec
 
     try:
+        c = _load_contract(contract)
         given = [x for x in (concurrency, rate, users) if x is not None]
         if len(given) > 1:
             raise ValueError("give only one of --concurrency, --rate, --users")
         flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=trace, ignore_eos=ignore_eos)  # fmt: skip
         if not given:
-            preset = _default_load(contract)
+            preset = c.load if c is not None else {}
             concurrency, rate, users = (preset.get(k) for k in ("concurrency", "rate", "users"))
             spawn_rate = float(preset.get("spawn_rate", spawn_rate))
             if concurrency is None and rate is None and users is None:
                 concurrency = 8
 
-        def load_for(w: Any) -> list[Any]:
+        def load_for(w: WorkloadSpec) -> list[LoadSpec]:
             """A trace replays at its own times unless a load flag is given."""
             if w.trace and not given:
                 return [LoadSpec(LoadMode.TRACE, trace_speed=trace_speed)]
@@ -253,7 +259,7 @@ def run_cmd(
             return [LoadSpec(LoadMode.RAMP, users=int(users or 0), spawn_rate=spawn_rate)]
 
         cfg = _config(
-            url=url, model=model, api_key=api_key, contract=contract, workload_file=workload,
+            url=url, model=model, api_key=api_key, contract=c, workload_file=workload,
             flags=flags, loads=load_for, is_sweep=False, max_requests=max_requests,
             duration=duration, timeout=timeout, seed=seed, progress=progress, extra_body=extra_body,
         )  # fmt: skip
@@ -302,8 +308,8 @@ def sweep_cmd(
             loads = [LoadSpec(LoadMode.POISSON, rate=x) for x in parse_levels(str(rates), "--rates")]
         flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=None, ignore_eos=ignore_eos)  # fmt: skip
         cfg = _config(
-            url=url, model=model, api_key=api_key, contract=contract, workload_file=workload,
-            flags=flags, loads=lambda _: loads, is_sweep=True, max_requests=max_requests,
+            url=url, model=model, api_key=api_key, contract=_load_contract(contract),
+            workload_file=workload, flags=flags, loads=lambda _: loads, is_sweep=True, max_requests=max_requests,
             duration=duration, timeout=timeout, seed=seed, progress=progress, extra_body=extra_body,
         )  # fmt: skip
     except ValueError as e:

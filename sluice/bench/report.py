@@ -90,14 +90,17 @@ def _latency_table(summary: dict[str, Any], title: str) -> Table:
     return t
 
 
+def _p95(summary: dict[str, Any], key: str) -> str:
+    return fmt(summary[key]["p95"]) if summary.get(key) else "-"
+
+
 def _class_table(summary: dict[str, Any]) -> Table:
     t = Table(title="Per priority class", title_justify="left")
     for col in ("class", "requests", "errors", "req/s", "out tok/s", "goodput/s", "TTFT p95", "E2E p95"):  # fmt: skip
         t.add_column(col, justify="right")
     rows = [("all", summary)] + sorted(summary.get("by_priority", {}).items())
     for name, s in rows:
-        p95 = (lambda k, s=s: fmt(s[k]["p95"]) if s.get(k) else "-")  # noqa: E731
-        t.add_row(name, str(s["num_requests"]), str(s["num_errors"]), fmt(s["rps"]), fmt(s["output_tok_s"]), fmt(s["goodput_rps"]), p95("ttft_ms"), p95("e2e_ms"))  # fmt: skip
+        t.add_row(name, str(s["num_requests"]), str(s["num_errors"]), fmt(s["rps"]), fmt(s["output_tok_s"]), fmt(s["goodput_rps"]), _p95(s, "ttft_ms"), _p95(s, "e2e_ms"))  # fmt: skip
     return t
 
 

@@ -174,7 +174,8 @@ async def run_phase(
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-    if driver.done() and not driver.cancelled() and driver.exception() is not None:
-        raise driver.exception()  # type: ignore[misc]  # a bug in a driver must not pass silently
+    error = driver.exception() if driver.done() and not driver.cancelled() else None
+    if error is not None:
+        raise error  # a bug in a driver must not pass silently
     ctx.records.sort(key=lambda r: r.start_s)
     return PhaseResult(load, ctx.records, ctx.num_cancelled, stop.is_set(), clock() - ctx.t0)

@@ -155,7 +155,7 @@ def _length_from_dict(d: dict[str, Any]) -> LengthDist:
 
 
 def _check_length(dist: LengthDist, raw: str) -> None:
-    if dist.a < 1 and dist.kind is not LengthKind.NORMAL or dist.a <= 0:
+    if dist.a < 1:  # a fixed length, a uniform low bound or a mean
         raise ValueError(f"invalid length {raw!r}: lengths must be >= 1")
     if dist.kind is LengthKind.UNIFORM and dist.b < dist.a:
         raise ValueError(f"invalid length {raw!r}: uniform needs LO <= HI")
