@@ -180,3 +180,18 @@ def test_progress_line_goes_to_stderr_and_stdout_still_ends_with_json(fake_serve
     assert r.exit_code == 0
     assert "sent 10" in r.stderr and "done 10" in r.stderr, r.stderr
     assert r.doc["summary"]["num_ok"] == 10
+
+
+@pytest.mark.parametrize(
+    "flags, load",
+    [
+        (["--rate", "80"], {"mode": "poisson", "level": 80.0, "rate": 80.0}),
+        (["--users", "4", "--spawn-rate", "40"], {"mode": "ramp", "level": 4, "users": 4, "spawn_rate": 40.0}),  # fmt: skip
+        ([], {"mode": "closed", "level": 8, "concurrency": 8}),
+    ],
+)
+def test_load_flags_choose_the_arrival_pattern(fake_server, bench, flags, load):
+    srv = fake_server()
+    r = bench("run", "--url", srv.url, "-n", "16", *flags, *SMALL)
+    assert r.exit_code == 0, r.stderr
+    assert r.doc["load"] == load and r.doc["summary"]["num_ok"] == 16
