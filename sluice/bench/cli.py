@@ -189,6 +189,9 @@ def _finish(cfg: BenchConfig, out: Path | None) -> None:
         doc, records = run_event_loop(_execute_with_sigint(cfg))
     except ValueError as e:
         _usage_error(str(e))
+    except KeyboardInterrupt:  # the second Ctrl-C: no report
+        print("sluice bench: aborted", file=sys.stderr)
+        raise typer.Exit(130) from None
     console = Console(soft_wrap=True)
     print_report(doc, console)
     if out is not None:
