@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +98,16 @@ class _Proc:
 class LocalLauncher(Launcher):
     name = LauncherName.LOCAL
 
-    def __init__(self, config: LauncherConfig, *, nodes: list[list[int]] | None = None, log_dir: str | None = None):
+    def __init__(
+        self,
+        config: LauncherConfig,
+        *,
+        nodes: list[list[int]] | None = None,
+        log_dir: str | None = None,
+        command: Callable[[ReplicaSpec, str, int], list[str]] = serve_argv,
+    ):
         self.config = config
+        self.command = command  # argv of one replica; tests run fake replicas through it
         self.nodes = nodes if nodes is not None else numa_nodes()
         self.log_dir = Path(log_dir or tempfile.gettempdir()) / "sluice-replicas"
         self._procs: dict[str, _Proc] = {}
@@ -150,7 +158,7 @@ class LocalLauncher(Launcher):
     async def _spawn(self, proc: _Proc) -> None:
         spec = proc.replica.spec
         cores = ",".join(map(str, proc.replica.cores))
-        argv = [sys.executable, "-m", "sluice.gateway.launchers.pin", cores, "--", *serve_argv(spec, proc.host, proc.port)]
+        argv = [sys.executable, "-m", "sluice.gateway.launchers.pin", cores, "--", *self.command(spec, proc.host, proc.port)]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, len(proc.replica.cores))), **dict(spec.env)}
         with open(proc.log_path, "ab") as log_file:
             proc.process = await asyncio.create_subprocess_exec(
