@@ -212,6 +212,19 @@ class Autoscaler:
             raise RuntimeError(f"no replica of {model} could be launched")
         return added
 
+    def adopt(self, model: str, launched: LaunchedReplica) -> Replica:
+        """Manage a replica its launcher already runs (found by ``discover``, or
+        started before the gateway); it joins the pool unless already there."""
+        m = self._models[model]
+        version = self.pool.version(model, m.version)
+        replica = next((r for r in version.replicas if r.url == launched.url), None)
+        if replica is None:
+            replica = self.pool.add_replica(
+                model, m.version, ReplicaConfig(url=launched.url, capacity=m.config.replica_capacity)
+            )
+        m.launched[launched.url] = (launched, replica)
+        return replica
+
     def scale_down(self, model: str, count: int) -> list[Replica]:
         """Start draining ``count`` launched replicas (the least busy); returns them."""
         m = self._models[model]
