@@ -35,7 +35,12 @@ def hf_model():  # type: ignore[no-untyped-def]
     """transformers' LlamaForCausalLM with the same (dequantized) weights, built without a 40 s GGUF load."""
     import transformers
 
-    from sluice.models.loader import gguf_hf_config, load_gguf_state_dict, resolve_model, _gguf_reader
+    from sluice.models.loader import (
+        _gguf_reader,
+        gguf_hf_config,
+        load_gguf_state_dict,
+        resolve_model,
+    )
 
     src = resolve_model("smollm2")
     reader = _gguf_reader(src.path)

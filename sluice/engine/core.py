@@ -182,10 +182,10 @@ class EngineCore:
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling
         n_out = req.num_output_tokens
-        if n_out >= sp.min_tokens:
-            if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids:
-                req.stop_token_id = tok
-                return RequestStatus.FINISHED_STOPPED
+        is_stop = (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids
+        if n_out >= sp.min_tokens and is_stop:
+            req.stop_token_id = tok
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

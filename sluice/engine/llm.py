@@ -16,7 +16,13 @@ from typing import Any
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.core import EngineCore
-from sluice.engine.protocol import EngineOutput, EngineRequest, RequestTimings, SamplingParams, TokenLogprobs
+from sluice.engine.protocol import (
+    EngineOutput,
+    EngineRequest,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprobs,
+)
 from sluice.errors import InvalidRequestError
 from sluice.models.tokenizer import IncrementalDetokenizer, load_tokenizer
 from sluice.types import Priority, parse_priority
@@ -216,7 +222,13 @@ class LLM:
         return results
 
     def _drain(self, seqs: dict[str, _Seq], show: bool) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         pending = set(seqs)
         with Progress(

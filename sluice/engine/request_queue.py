@@ -54,7 +54,7 @@ class RequestQueue(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
 
-    def charge(self, priority: Priority, num_tokens: int) -> None:
+    def charge(self, priority: Priority, num_tokens: int) -> None:  # noqa: B027 (optional hook)
         """Account prefill tokens served to a class (only WFQ uses it)."""
 
     def count_by_priority(self) -> list[int]:

@@ -135,7 +135,6 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
-        cfg = self.cfg
         missing: list[str] = []
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:

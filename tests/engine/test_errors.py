@@ -10,7 +10,12 @@ import pytest
 
 from sluice.engine.core import EngineCore
 from sluice.engine.protocol import EngineRequest, SamplingParams
-from sluice.errors import ContextLengthError, InvalidRequestError, ModelLoadError, ModelNotFoundError
+from sluice.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
 from sluice.models.loader import resolve_model
 
 
