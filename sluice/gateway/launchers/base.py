@@ -47,7 +47,7 @@ class LauncherConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: LauncherName = LauncherName.LOCAL
-    host: str = "127.0.0.1"  # bind address of launched replicas (local)
+    host: str | None = None  # replicas' bind address; None: 127.0.0.1 (local), the Ray node's IP (ray)
     cpus_per_replica: float = Field(default=1, gt=0)  # cores pinned (local) / Ray num_cpus (ray)
     ready_timeout_s: float = Field(default=180.0, gt=0)  # launch -> /health 200
     stop_timeout_s: float = Field(default=30.0, gt=0)  # SIGTERM -> SIGKILL

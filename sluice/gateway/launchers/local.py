@@ -121,7 +121,7 @@ class LocalLauncher(Launcher):
         return p.process.pid if p is not None and p.process is not None else None
 
     async def launch(self, spec: ReplicaSpec) -> LaunchedReplica:
-        host = self.config.host
+        host = self.config.host or "127.0.0.1"
         port = _free_port(host)
         cores = assign_cores(self.nodes, [p.replica.cores for p in self._procs.values()], int(self.config.cpus_per_replica))
         replica = LaunchedReplica(id=f"local-{port}", url=f"http://{host}:{port}", spec=spec, cores=cores)

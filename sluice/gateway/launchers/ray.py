@@ -45,8 +45,9 @@ class ReplicaActor:
     Runs on a Ray worker: starts ``sluice serve`` bound to the node's address.
     """
 
-    def __init__(self, spec: ReplicaSpec):
+    def __init__(self, spec: ReplicaSpec, host: str | None = None):
         self.spec = spec
+        self.host = host
         self.process: Any = None
         self.url = ""
 
@@ -57,7 +58,7 @@ class ReplicaActor:
 
         import ray
 
-        host = ray.util.get_node_ip_address()
+        host = self.host or ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((host, 0))
             port = int(s.getsockname()[1])
@@ -120,7 +121,7 @@ class RayLauncher(Launcher):
         actor_cls: Any = self._ray.remote(num_cpus=self.config.cpus_per_replica)(ReplicaActor)
         handle: Any = actor_cls.options(
             name=name, namespace=self.config.ray_namespace, lifetime="detached", max_restarts=0
-        ).remote(spec)
+        ).remote(spec, self.config.host)
         try:
             url = await handle.start.remote()
             replica = LaunchedReplica(id=name, url=url, spec=spec)
