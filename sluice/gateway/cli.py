@@ -42,8 +42,10 @@ def _build_config(
     }
     if replica:
         overrides["models"] = {model or "default": {"versions": [{"name": "v1", "replicas": list(replica)}]}}
-    elif model:
-        raise InvalidRequestError("--model needs at least one --replica URL")
+    elif model and not config:
+        # NOTE(env-model): with a config file, a stray SLUICE_MODEL (meant for
+        # `sluice serve`) is ignored; without one it is a mistake worth naming.
+        raise InvalidRequestError("--model needs at least one --replica URL (or use --config)")
     return load_config(config, **overrides)
 
 
