@@ -26,14 +26,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sluice.gateway.config import ReplicaConfig
 from sluice.gateway.degradation import DegradationConfig, Pressure, pressure
 from sluice.gateway.launchers.base import LaunchedReplica, Launcher, LauncherConfig, ReplicaSpec
-from sluice.gateway.pool import ReplicaPool
-from sluice.gateway.replica import Replica
+
+if TYPE_CHECKING:  # NOTE(import-cycle): config.py imports this module's config class
+    from sluice.gateway.pool import ReplicaPool
+    from sluice.gateway.replica import Replica
 
 __all__ = ["AutoscaleConfig", "ScaleState", "ScaleDecision", "decide", "Autoscaler"]
 
@@ -145,8 +147,10 @@ class Autoscaler:
         *,
         load_config: DegradationConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_decision: Callable[[str, int, int, str], None] | None = None,  # (model, from, to, reason)
     ):
         self.pool = pool
+        self.on_decision = on_decision
         self.launchers = launchers  # model -> launcher
         self.load_config = load_config or DegradationConfig()
         self.clock = clock
@@ -156,6 +160,10 @@ class Autoscaler:
             pool.version(model, version)  # unknown version: fail at start-up
             self._models[model] = _Managed(cfg, version)
         self._drains: set[asyncio.Task[None]] = set()
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
 
     def num_replicas(self, model: str) -> int:
         m = self._models[model]
@@ -167,6 +175,7 @@ class Autoscaler:
     async def run(self) -> None:
         """The controller loop (owned by the gateway's lifespan)."""
         try:
+            await self.adopt_running()
             while True:
                 await self.tick()
                 await asyncio.sleep(min(m.config.interval_s for m in self._models.values()) if self._models else 5.0)
@@ -184,6 +193,8 @@ class Autoscaler:
             if d.desired != n:
                 m.decisions.append({"at": self.clock(), "from": n, "to": d.desired, "reason": d.reason})
                 log.warning("autoscale %s: %d -> %d replicas (%s; %s)", model, n, d.desired, d.reason, p.describe())
+                if self.on_decision is not None:
+                    self.on_decision(model, n, d.desired, d.reason)
             try:
                 if d.desired > n:
                     await self.scale_up(model, d.desired - n)
@@ -196,6 +207,8 @@ class Autoscaler:
         return out
 
     async def scale_up(self, model: str, count: int) -> list[Replica]:
+        from sluice.gateway.config import ReplicaConfig
+
         m = self._models[model]
         c = m.config
         spec = ReplicaSpec(model, m.version, c.model_path, c.served_model_name, tuple(c.serve_args))
@@ -212,9 +225,29 @@ class Autoscaler:
             raise RuntimeError(f"no replica of {model} could be launched")
         return added
 
+    async def adopt_running(self) -> int:
+        """Adopt the replicas a launcher can discover (Ray actors left by a previous gateway)."""
+        num = 0
+        for model, m in self._models.items():
+            discover = getattr(self.launchers[model], "discover", None)
+            if discover is None:
+                continue
+            try:
+                found = await discover()
+            except Exception as e:  # noqa: BLE001 - discovery is best effort; scaling still works
+                log.warning("autoscale %s: discovering running replicas failed: %s", model, e)
+                continue
+            for lr in found:
+                if lr.spec.model == model and lr.spec.version == m.version and lr.url not in m.launched:
+                    self.adopt(model, lr)
+                    num += 1
+        return num
+
     def adopt(self, model: str, launched: LaunchedReplica) -> Replica:
         """Manage a replica its launcher already runs (found by ``discover``, or
         started before the gateway); it joins the pool unless already there."""
+        from sluice.gateway.config import ReplicaConfig
+
         m = self._models[model]
         version = self.pool.version(model, m.version)
         replica = next((r for r in version.replicas if r.url == launched.url), None)

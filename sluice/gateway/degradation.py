@@ -30,11 +30,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sluice.gateway.pool import ModelLoad
 from sluice.types import Priority
+
+if TYPE_CHECKING:  # NOTE(import-cycle): config.py imports this module's config class
+    from sluice.gateway.pool import ModelLoad
 
 __all__ = [
     "DegradationLevel",
@@ -220,6 +223,10 @@ class DegradationPolicy(abc.ABC):
 
     @abc.abstractmethod
     def level(self, model: str) -> DegradationLevel: ...
+
+    def is_observation_due(self, model: str) -> bool:
+        """Should the caller read the model's load and ``observe`` it now?"""
+        return False
 
     @abc.abstractmethod
     def plan(self, model: str, priority: Priority, max_tokens: int | None, has_fallback: bool) -> Plan: ...

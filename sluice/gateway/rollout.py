@@ -25,11 +25,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.errors import InvalidRequestError
-from sluice.gateway.pool import ReplicaPool
+
+if TYPE_CHECKING:  # NOTE(import-cycle): config.py imports this module's config class
+    from sluice.gateway.pool import ReplicaPool
 
 __all__ = [
     "RolloutConfig",
