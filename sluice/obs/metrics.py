@@ -21,13 +21,17 @@ the app (no global registry, so tests can build many apps)::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from sluice.engine.protocol import EngineStats, RequestTimings
 from sluice.obs.host import HostCollector
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -43,16 +47,11 @@ class ServerMetrics:
         self.tpot = Histogram("sluice_time_per_output_token_seconds", "Mean time per output token after the first, per request.", lab, registry=r, buckets=_TPOT_BUCKETS)
         self.e2e = Histogram("sluice_e2e_request_latency_seconds", "End-to-end request latency.", lab, registry=r, buckets=_LATENCY_BUCKETS)
         self.queue = Histogram("sluice_queue_time_seconds", "Time from arrival to first scheduling.", lab, registry=r, buckets=_LATENCY_BUCKETS)
-        self.running = Gauge("sluice_num_requests_running", "Requests running in the engine.", registry=r)
-        self.waiting = Gauge("sluice_num_requests_waiting", "Requests waiting in the engine.", registry=r)
-        self.running_by_p = Gauge("sluice_num_requests_running_by_priority", "Running requests by class.", lab, registry=r)
-        self.waiting_by_p = Gauge("sluice_num_requests_waiting_by_priority", "Waiting requests by class.", lab, registry=r)
+        # engine gauges / cumulative counters: read from the latest EngineStats at
+        # scrape time (see EngineStatsCollector), so a step costs one assignment.
+        self.engine = EngineStatsCollector()
+        r.register(self.engine)
         self.queued = Gauge("sluice_num_requests_queued", "Requests admitted by the API process, not started yet.", registry=r)
-        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", registry=r)
-        self.kv_blocks = Gauge("sluice_kv_cache_blocks", "Total KV cache blocks.", registry=r)
-        self.prefix_hits = Counter("sluice_prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r)
-        self.prefix_queries = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.preemptions = Counter("sluice_preemptions", "Requests preempted (freed and recomputed later).", registry=r)
         self.requests = Counter("sluice_requests", "Finished HTTP requests by status code and class.", ["status", "priority"], registry=r)
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
@@ -63,22 +62,9 @@ class ServerMetrics:
             for h in (self.ttft, self.tpot, self.e2e, self.queue):
                 h.labels(priority=p)
         r.register(HostCollector())
-        # cumulative engine counters last seen (they are exported as deltas)
-        self._last = EngineStats()
 
     def observe_stats(self, s: EngineStats) -> None:
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        for i, p in enumerate(PRIORITIES):
-            self.running_by_p.labels(priority=p).set(s.num_running_by_priority[i] if i < len(s.num_running_by_priority) else 0)
-            self.waiting_by_p.labels(priority=p).set(s.num_waiting_by_priority[i] if i < len(s.num_waiting_by_priority) else 0)
-        self.kv_usage.set(s.kv_cache_usage)
-        self.kv_blocks.set(s.num_total_blocks)
-        last = self._last
-        self.prefix_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
-        self.prefix_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
-        self.preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
-        self._last = s
+        self.engine.latest = s
 
     def observe_finished(self, priority: str, t: RequestTimings | None, num_generated: int) -> None:
         """One finished engine request (one choice), timings from the engine."""
@@ -101,3 +87,31 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Engine gauges and counters from the latest ``EngineStats`` snapshot."""
+
+    def __init__(self) -> None:
+        self.latest = EngineStats()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.latest
+        yield GaugeMetricFamily("sluice_num_requests_running", "Requests running in the engine.", value=s.num_running)
+        yield GaugeMetricFamily("sluice_num_requests_waiting", "Requests waiting in the engine.", value=s.num_waiting)
+        for name, values, doc in (
+            ("sluice_num_requests_running_by_priority", s.num_running_by_priority, "Running requests by class."),
+            ("sluice_num_requests_waiting_by_priority", s.num_waiting_by_priority, "Waiting requests by class."),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["priority"])
+            for p, v in zip(PRIORITIES, values):
+                g.add_metric([p], v)
+            yield g
+        yield GaugeMetricFamily("sluice_kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", value=s.kv_cache_usage)
+        yield GaugeMetricFamily("sluice_kv_cache_blocks", "Total KV cache blocks.", value=s.num_total_blocks)
+        yield GaugeMetricFamily("sluice_engine_step_seconds", "Duration of the last engine step.", value=s.step_time)
+        yield GaugeMetricFamily("sluice_engine_batched_tokens", "Tokens in the last engine step.", value=s.num_batched_tokens)
+        yield CounterMetricFamily("sluice_prefix_cache_hits", "Prompt tokens served from the prefix cache.", value=s.prefix_cache_hits)
+        yield CounterMetricFamily("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=s.prefix_cache_queries)
+        yield CounterMetricFamily("sluice_preemptions", "Requests preempted (freed and recomputed later).", value=s.num_preemptions)
+        yield CounterMetricFamily("sluice_engine_steps", "Engine steps.", value=s.num_steps)

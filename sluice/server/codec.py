@@ -23,7 +23,8 @@ class Detokenizer(Protocol):
 
 
 class TextCodec(Protocol):
-    eos_token_ids: Sequence[int]
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from sluice.engine.config import EngineConfig, ModelInfo
 from sluice.engine.protocol import EngineAbort, EngineOutput, EngineRequest, EngineStats
-from sluice.errors import EngineDeadError, ModelLoadError, SluiceError
+from sluice.errors import EngineDeadError, ModelLoadError, ServiceUnavailableError, SluiceError
 from sluice.server.engine_proc import default_engine_factory, run_engine_core
 from sluice.server.ipc import Decoders, IpcPaths, Kind, encode
 
@@ -71,7 +70,10 @@ class EngineClient:
         self._on_dead = on_dead
         self._on_stats = on_stats
         self._paths = IpcPaths.create()
-        self._ctx = zmq.asyncio.Context()
+        # NOTE(raw-zmq): plain sockets, with the PULL socket's FD watched by the event
+        # loop, cost a fraction of zmq.asyncio's futures per message; this path runs
+        # once per engine step, so it bounds the API process's CPU per token.
+        self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(self._paths.input_addr)
@@ -81,7 +83,7 @@ class EngineClient:
         self._dec = Decoders()
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        self._out_fd: int | None = None
         self.model_info: ModelInfo | None = None
         self.ready = asyncio.Event()
         self.is_dead = False
@@ -103,7 +105,9 @@ class EngineClient:
         self._proc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_exit)
-        self._loop_task = asyncio.create_task(self._output_loop(), name="engine-output-loop")
+        self._out_fd = self._out.getsockopt(zmq.FD)
+        loop.add_reader(self._out_fd, self._on_readable)
+        self._on_readable()  # the FD is edge-triggered: drain anything already there
 
     @property
     def pid(self) -> int | None:
@@ -130,10 +134,10 @@ class EngineClient:
                 if proc.is_alive():
                     proc.kill()
             proc.join(1.0)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._loop_task
+        if self._out_fd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._out_fd)
+            self._out_fd = None
         self._in.close(0)
         self._out.close(0)
         self._ctx.term()
@@ -185,38 +189,53 @@ class EngineClient:
         return len(self._streams)
 
     def _send(self, frames: list[bytes]) -> None:
-        # NOTE(nonblocking-send): PUSH to a connected peer never blocks here (the
-        # default HWM is 1000 messages and the engine drains every step);
-        # zmq.asyncio returns a future we need not await.
-        self._in.send_multipart(frames)
+        # NOTE(nonblocking-send): the engine drains its input every step, so the
+        # default HWM (1000 messages) is never reached in practice; if it is, the
+        # engine is wedged and the request fails fast instead of blocking the loop.
+        try:
+            self._in.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServiceUnavailableError("the engine core is not accepting requests", retry_after=1.0) from None
 
     # -- output fan-out ------------------------------------------------------------
 
-    async def _output_loop(self) -> None:
-        dec = self._dec
+    def _on_readable(self) -> None:
+        sock = self._out
         while True:
-            kind, payload = await self._out.recv_multipart()
-            if kind == Kind.OUTPUTS:
-                batch = dec.outputs.decode(payload)
-                streams = self._streams
-                for out in batch.outputs:
-                    stream = streams.get(out.request_id)
-                    if stream is None:
-                        continue  # aborted or released earlier
-                    if out.finished:
-                        del streams[out.request_id]
-                    stream.queue.put_nowait(out)
-                if batch.stats is not None:
-                    self.stats = batch.stats
-                    if self._on_stats is not None:
-                        self._on_stats(batch.stats)
-            elif kind == Kind.READY:
-                self.model_info = dec.ready.decode(payload)
-                self.ready.set()
-            elif kind == Kind.ERROR:
-                self.start_error = dec.error.decode(payload)
-                log.error("engine core failed to start: %s", self.start_error)
-                self.ready.set()
+            try:
+                kind, payload = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed under us during shutdown
+                return
+            try:
+                self._handle(kind, payload)
+            except Exception:  # noqa: BLE001 -- keep draining: the FD is edge-triggered
+                log.exception("bad message from the engine core")
+
+    def _handle(self, kind: bytes, payload: bytes) -> None:
+        dec = self._dec
+        if kind == Kind.OUTPUTS:
+            batch = dec.outputs.decode(payload)
+            streams = self._streams
+            for out in batch.outputs:
+                stream = streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted or released earlier
+                if out.finished:
+                    del streams[out.request_id]
+                stream.queue.put_nowait(out)
+            if batch.stats is not None:
+                self.stats = batch.stats
+                if self._on_stats is not None:
+                    self._on_stats(batch.stats)
+        elif kind == Kind.READY:
+            self.model_info = dec.ready.decode(payload)
+            self.ready.set()
+        elif kind == Kind.ERROR:
+            self.start_error = dec.error.decode(payload)
+            log.error("engine core failed to start: %s", self.start_error)
+            self.ready.set()
 
 
 def engine_error(out: EngineOutput) -> SluiceError:

@@ -115,8 +115,8 @@ class CompletionRequest(_Common):
         if not p:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]
+        return list(p)
 
     def sampling_params(self, max_tokens_default: int) -> SamplingParams:
         if self.echo:

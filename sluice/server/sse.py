@@ -38,9 +38,10 @@ async def _until_disconnect(receive: Receive) -> None:
 async def wait_or_disconnect(request: Request, aw: Awaitable[T]) -> T:
     """Await ``aw``; if the client disconnects first, cancel it and raise ``ClientGone``."""
     task: asyncio.Future[T] = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_until_disconnect(request.receive))
+    watcher: asyncio.Future[None] = asyncio.ensure_future(_until_disconnect(request.receive))
+    pending: set[asyncio.Future[Any]] = {task, watcher}
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         raise
