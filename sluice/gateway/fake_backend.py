@@ -8,6 +8,7 @@ on demand through ``FakeBackend.behavior``:
     hang         accept the request and never answer
     reset        drop the connection before answering
     broken_sse   stream the first chunk, then drop the connection
+    stall_sse    stream the first chunk, then send nothing more
     status       answer ``status`` (e.g. 503) with an OpenAI error body
     slow         wait ``delay_s`` before the first byte
 
@@ -33,7 +34,7 @@ __all__ = ["Behavior", "FakeBackend"]
 
 @dataclass
 class Behavior:
-    mode: str = "ok"  # ok | hang | reset | broken_sse | status | slow
+    mode: str = "ok"  # ok | hang | reset | broken_sse | stall_sse | status | slow
     status: int = 503  # for mode == "status"
     delay_s: float = 0.0  # for mode == "slow"
     num_chunks: int = 4  # SSE content chunks per streamed answer
@@ -155,6 +156,11 @@ class FakeBackend:
             if b.mode == "broken_sse":
                 assert request.transport is not None
                 request.transport.abort()
+                raise ConnectionResetError
+            if b.mode == "stall_sse":
+                ev = asyncio.Event()
+                self._hung.append(ev)
+                await ev.wait()
                 raise ConnectionResetError
             if b.chunk_delay_s:
                 await asyncio.sleep(b.chunk_delay_s)

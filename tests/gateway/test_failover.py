@@ -169,3 +169,22 @@ async def test_unhealthy_replica_is_taken_out_and_probed_back(http: httpx.AsyncC
             assert replica.health.is_up, "a passing probe must bring the replica back"
             seen = {(await http.post(url + "/v1/completions", json=_body())).headers["x-sluice-replica"] for _ in range(4)}
             assert fakes[0].url in seen, "traffic must return to a recovered replica"
+
+
+async def test_a_stream_that_stalls_mid_way_ends_with_an_error(http: httpx.AsyncClient) -> None:
+    async with fake_backends(1) as fakes:
+        fakes[0].behavior.mode = "stall_sse"
+        cfg = gateway_config([fakes[0].url], timeouts={"idle_s": 0.3})
+        async with serve_gateway(cfg) as (url, app):
+            t0 = time.monotonic()
+            async with http.stream("POST", url + "/v1/completions", json=_body(stream=True)) as r:
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            assert time.monotonic() - t0 < 3, "a stalled stream must be cut after idle_s, not hang"
+            assert len(events) == 2 and "error" in json.loads(events[-1][6:]), (
+                f"the client must get the first chunk, then an error event: {events}"
+            )
+            replica = next(iter(app.state.gateway.pool.replicas()))
+            assert replica.num_inflight == 0, "a cut stream must release its load count"
+            fakes[0].behavior.mode = "ok"
+            r = await http.post(url + "/v1/completions", json=_body())
+            assert r.status_code == 200, "the gateway must keep answering after a stalled stream"
