@@ -62,11 +62,19 @@ class GatewayApp:
             await self.fallback(scope, receive, send)
             return
         chunks = []
+        size, limit = 0, self.gateway.config.max_request_bytes
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            chunks.append(message.get("body", b""))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                err = InvalidRequestError(f"request body larger than {limit} bytes", code="request_too_large")
+                err.status_code = 413
+                await error_response(err, "")(scope, receive, send)
+                return
+            chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}

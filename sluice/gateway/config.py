@@ -169,6 +169,7 @@ class GatewayConfig(_Strict):
     api_keys: list[str] = Field(default_factory=list)
     keys_file: str | None = None
     seed: int | None = None  # rng seed for policies and version picks (tests)
+    max_request_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies get 413
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)

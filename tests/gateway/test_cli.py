@@ -71,3 +71,26 @@ async def test_gateway_process_routes_to_replicas() -> None:
         finally:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 10)
+
+
+async def test_example_config_runs() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "gateway" / "gateway.yaml"
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sluice.cli", "gateway", "--config", str(example), "--port", str(port),
+        "--log-level", "warning", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            for _ in range(200):
+                try:
+                    r = await http.get(f"http://127.0.0.1:{port}/v1/models", headers={"authorization": "Bearer sk-example"})
+                    break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.05)
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["smollm2"], r.text
+            r = await http.get(f"http://127.0.0.1:{port}/admin/models", headers={"authorization": "Bearer sk-admin-example"})
+            assert r.status_code == 200 and r.json()["models"]["smollm2"]["versions"] == {"v1": 90, "v2": 10}, r.text
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)

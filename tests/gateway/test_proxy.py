@@ -144,3 +144,12 @@ async def test_gateway_adds_its_own_span_under_the_clients_trace(http: httpx.Asy
     assert sent[1] == trace_id and sent[2] == format(span.context.span_id, "016x"), (
         "the replica's parent span must be the gateway's span"
     )
+
+
+async def test_oversized_body_is_refused_with_413(http: httpx.AsyncClient) -> None:
+    async with fake_backends(1) as fakes, serve_gateway(
+        gateway_config([fakes[0].url], max_request_bytes=1000)
+    ) as (url, _):
+        r = await http.post(url + "/v1/completions", json=_completion(prompt="x" * 2000))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert fakes[0].num_received == 0, "an oversized request must not reach a replica"
