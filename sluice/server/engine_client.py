@@ -105,8 +105,10 @@ class EngineClient:
         self._proc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_exit)
-        self._out_fd = self._out.getsockopt(zmq.FD)
-        loop.add_reader(self._out_fd, self._on_readable)
+        fd = self._out.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._out_fd = fd
+        loop.add_reader(fd, self._on_readable)
         self._on_readable()  # the FD is edge-triggered: drain anything already there
 
     @property
@@ -201,11 +203,13 @@ class EngineClient:
 
     def _on_readable(self) -> None:
         sock = self._out
+        # NOTE(no-again): test EVENTS instead of catching zmq.Again; building that
+        # exception costs more than handling the message.
         while True:
             try:
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                    return
                 kind, payload = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
             except zmq.ZMQError:  # closed under us during shutdown
                 return
             try:
