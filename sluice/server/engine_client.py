@@ -207,7 +207,7 @@ class EngineClient:
         # exception costs more than handling the message.
         while True:
             try:
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator,arg-type]
                     return
                 kind, payload = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:  # closed under us during shutdown
