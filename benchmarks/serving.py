@@ -238,6 +238,40 @@ async def run_level(server: Server, concurrency: int, num_requests: int, seed: i
     }
 
 
+def profile_engine_step(model: str, batch: int = 32, steps: int = 5) -> dict[str, Any]:
+    """Where one decode step's milliseconds go (in-process EngineCore, torch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.core import EngineCore
+    from sluice.engine.protocol import EngineRequest, SamplingParams
+
+    core = EngineCore(EngineConfig(model=model, max_num_seqs=max(batch, 1)))
+    sp = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
+    for i, p in enumerate(make_prompts(batch, seed=123)):
+        core.add_request(EngineRequest(request_id=f"p{i}", prompt_token_ids=p, sampling=sp, arrival_time=time.monotonic()))
+    t0 = time.perf_counter()
+    prefill_steps = 0
+    while core.make_stats().num_running < batch or core.make_stats().num_waiting:
+        core.step()
+        prefill_steps += 1
+    core.step()  # first decode-only step outside the profile
+    prefill_s = time.perf_counter() - t0
+    times = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - t)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    total_us = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1.0
+    top = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1000 / steps,
+            "share": e.self_cpu_time_total / total_us} for e in ops]
+    return {"batch": batch, "decode_step_ms": 1000 * statistics.median(times), "prefill_s": prefill_s,
+            "prefill_steps": prefill_steps, "threads": torch.get_num_threads(), "top_ops": top}
+
+
 def _pct(xs: list[float], p: float) -> float:
     if len(xs) == 1:
         return xs[0]
@@ -273,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-model-dir", default=None)
     ap.add_argument("--vllm-port", type=int, default=8123)
     ap.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
+    ap.add_argument("--profile-step", type=int, default=0, metavar="BATCH",
+                    help="also profile one decode step of an in-process engine at this batch size")
     args = ap.parse_args(argv)
 
     results: dict[str, Any] = {"benchmark": "serving", "model": args.model, "prompt_tokens": PROMPT_TOKENS,
@@ -298,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
                           r["ttft_p95_s"], 1000 * r["tpot_mean_s"], r["e2e_p95_s"], r["errors"],
                           r["api_cpu_us_per_token"]])
     md = markdown_table(headers, table)
+    if args.profile_step:
+        prof = profile_engine_step(args.model, args.profile_step)
+        results["step_profile"] = prof
+        md += (f"\n\nOne decode step at batch {prof['batch']} (in-process engine, {prof['threads']} torch threads): "
+               f"{prof['decode_step_ms']:.1f} ms; prefill of {prof['batch']} x {PROMPT_TOKENS} tokens took "
+               f"{prof['prefill_s']:.2f} s over {prof['prefill_steps']} steps. Top ops by self CPU time:\n\n")
+        md += markdown_table(["op", "ms / step", "share"],
+                             [[o["op"], o["ms_per_step"], f"{100 * o['share']:.0f}%"] for o in prof["top_ops"]])
     print(md)
     first = systems[0]
     s = results["systems"][first]

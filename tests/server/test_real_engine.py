@@ -151,7 +151,9 @@ def test_make_serve_on_smollm2_starts_fast_and_answers() -> None:
         r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "What is 2+2?"}],
                                       max_tokens=16, temperature=0)
         assert r.choices[0].message.content.strip(), "SmolLM2 must answer something"
-        assert cold < 30, f"cold start {cold:.1f}s (target 15 s on the reference machine)"
+        # NOTE(cold-start): the 15 s target is measured by benchmarks/serving.py on a quiet
+        # machine; here the bound only catches a start-up that has gone badly wrong.
+        assert cold < 60, f"cold start {cold:.1f}s (target 15 s on a quiet machine)"
     finally:
         proc.terminate()
         assert proc.wait(30) == 0, "SIGTERM on an idle server drains and exits 0"
