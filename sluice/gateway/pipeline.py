@@ -240,7 +240,7 @@ class Gateway:
         self.retry_budget.record_request()
         tried: set[str] = set()
         last: AttemptError | None = None
-        replica: Replica | None = None
+        failed: Replica | None = None  # the last replica that failed this request
         tokens = parsed.route.num_tokens
         for attempt in range(1, self.config.retry.max_attempts + 1):
             replica = self.choose_replica(version, parsed, tried)
@@ -254,7 +254,7 @@ class Gateway:
             try:
                 up = await self.client.open(replica.url + path, body, headers, stream=parsed.stream)
             except AttemptError as e:
-                last = e
+                last, failed = e, replica
                 replica.finish_request(tokens)
                 self._attempt_failed(replica, e, self.clock() - t_sent)
                 if attempt < self.config.retry.max_attempts and self.retry_budget.try_spend():
@@ -275,7 +275,7 @@ class Gateway:
                 self._record(Outcome(model, replica.version, replica.url, up.status, ok, ttfb, self.clock() - t0, attempt, None))
                 return Response(up.first_chunk, status_code=up.status, headers=out_headers)
             return ProxyStream(self, up, replica, parsed, out_headers, t0, t_sent, ttfb, attempt)
-        return self._give_up(parsed, version, replica, last, request_id, t0, len(tried))
+        return self._give_up(parsed, version, failed, last, request_id, t0, len(tried))
 
     def _upstream_body(self, raw_body: _Parsed, version: Version) -> bytes:
         body = raw_body.body
@@ -309,9 +309,9 @@ class Gateway:
         if last is not None and last.kind == "status" and last.status is not None:
             # The replica's own answer (its 503/429 body and Retry-After) is the most useful one.
             self._record(Outcome(model, version.name, url, last.status, False, None, self.clock() - t0, num_attempts, "status"))
-            headers = {"x-request-id": request_id, "content-type": last.headers.get("Content-Type", "application/json")}
-            if "Retry-After" in last.headers:
-                headers["retry-after"] = last.headers["Retry-After"]
+            headers = {"x-request-id": request_id, "content-type": last.headers.get("content-type", "application/json")}
+            if "retry-after" in last.headers:
+                headers["retry-after"] = last.headers["retry-after"]
             if url:
                 headers["x-sluice-replica"] = url
             return Response(last.body, status_code=last.status, headers=headers)

@@ -47,7 +47,7 @@ class AttemptError(Exception):
         self.message = message
         self.status = status  # upstream status for kind == "status"
         self.body = body
-        self.headers = dict(headers or {})
+        self.headers = {k.lower(): v for k, v in (headers or {}).items()}  # lower-case names
 
     @property
     def is_replica_failure(self) -> bool:

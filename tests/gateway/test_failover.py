@@ -117,6 +117,7 @@ async def test_all_open_answers_503_with_retry_after_at_once(http: httpx.AsyncCl
             for _ in range(3):
                 r = await http.post(url + "/v1/completions", json=_body())
                 assert r.status_code == 502, "with no other replica, the replica's own error goes back"
+                assert r.headers.get("retry-after") == "2", "the replica's Retry-After must reach the client"
             received = fakes[0].num_received
             t0 = time.monotonic()
             r = await http.post(url + "/v1/completions", json=_body())
