@@ -57,7 +57,9 @@ class FakeEngineCore:
         step_delay: float = 0.0,
         num_blocks: int = 4096,
         max_model_len: int = 512,
+        load_delay: float = 0.0,
     ):
+        time.sleep(load_delay)  # a slow model load, for /health tests
         self.config = config
         self.step_delay = step_delay
         self.max_model_len = config.max_model_len or max_model_len

@@ -108,3 +108,37 @@ async def test_engine_death_fails_requests_with_503_and_exits_nonzero(spawn) -> 
     )
     assert elapsed < 5, f"nothing may hang on a dead engine ({elapsed:.1f}s)"
     assert proc.wait(15) != 0, "the API process must exit non-zero so a supervisor restarts it"
+
+
+def test_health_is_503_until_the_engine_is_ready() -> None:
+    import functools
+
+    from sluice.server.app import build_app
+    from sluice.server.config import load_settings
+    from sluice.server.testing import FakeEngineCore, fake_codec_factory
+    from tests.server.conftest import ServerThread
+
+    app = build_app(load_settings(model="fake"),
+                    engine_factory=functools.partial(FakeEngineCore, load_delay=1.5),
+                    codec_factory=fake_codec_factory)
+    srv = ServerThread(app)
+    srv.thread.start()
+    try:
+        codes = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(srv.url + "/health", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                break
+            early = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+            assert early.status_code == 503 and "retry-after" in early.headers, "requests before ready get 503"
+            time.sleep(0.1)
+        assert codes[0] == 503, "/health must not be 200 while the model loads"
+        assert codes[-1] == 200, "/health turns 200 once the engine core is ready"
+    finally:
+        srv.stop()
