@@ -99,3 +99,15 @@ async def test_full_queue_rejects_at_once_and_sheds_lowest_class_first(server_fa
     assert codes[0] == 200 and codes[-1] == 200, f"running and p0 requests must succeed: {codes}"
     assert sorted(codes[1:3]) == [200, 429], f"exactly one p2 is shed to admit the p0: {codes}"
     assert results[2].status_code == 429, "the newest of the lowest class is shed first"
+
+
+def test_openai_client_sees_auth_and_limit_errors(keyed_server) -> None:
+    import openai
+
+    bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="fake", prompt="x", max_tokens=1)
+    big = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-admin-secret", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        big.completions.create(model="fake", prompt="x" * 4000, max_tokens=1)
+    assert e.value.status_code == 413
