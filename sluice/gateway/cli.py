@@ -26,6 +26,7 @@ def _build_config(
     keys_file: str | None,
     model: str | None,
     replica: list[str] | None,
+    otlp_endpoint: str | None = None,
 ) -> Any:
     from sluice.gateway.config import PolicyName, load_config
 
@@ -39,6 +40,7 @@ def _build_config(
         "scrape_interval": scrape_interval,
         "keys_file": keys_file,
         "api_keys": list(api_key) if api_key else None,
+        "otlp_endpoint": otlp_endpoint,
     }
     if replica:
         overrides["models"] = {model or "default": {"versions": [{"name": "v1", "replicas": list(replica)}]}}
@@ -65,6 +67,9 @@ def register(app: typer.Typer) -> None:
         keys_file: str = typer.Option(None, envvar="SLUICE_KEYS_FILE", help="Keys file (tiers, rate limits, admin keys)."),
         model: str = typer.Option(None, envvar="SLUICE_MODEL", help="Model name for --replica URLs [default 'default']."),
         replica: list[str] = typer.Option(None, "--replica", envvar="SLUICE_REPLICA", help="Replica base URL (repeatable)."),
+        otlp_endpoint: str = typer.Option(
+            None, envvar="SLUICE_OTLP_ENDPOINT", help="OTLP/HTTP collector URL for traces (default: off)."
+        ),
         log_level: str = typer.Option("info", envvar="SLUICE_LOG_LEVEL", help="uvicorn log level."),
     ) -> None:
         """Route OpenAI requests across replicas: load/prefix-aware, health-checked, with breakers."""
@@ -72,8 +77,15 @@ def register(app: typer.Typer) -> None:
 
         from sluice.gateway.app import build_app
 
-        cfg = _build_config(config, host, port, policy, scrape_interval, api_key, keys_file, model, replica)
-        app_ = build_app(cfg)
+        cfg = _build_config(
+            config, host, port, policy, scrape_interval, api_key, keys_file, model, replica, otlp_endpoint
+        )
+        provider = None
+        if cfg.otlp_endpoint:
+            from sluice.obs.tracing import build_tracer_provider
+
+            provider = build_tracer_provider(cfg.otlp_endpoint, service_name="sluice-gateway")
+        app_ = build_app(cfg, tracer_provider=provider)
         n = sum(1 for _ in app_.state.gateway.pool.replicas())
         typer.echo(
             f"sluice gateway: {len(cfg.models)} model(s), {n} replica(s), policy {cfg.policy.value}, "
@@ -90,3 +102,5 @@ def register(app: typer.Typer) -> None:
             http="auto",
             timeout_graceful_shutdown=5,
         )
+        if provider is not None:
+            provider.shutdown()  # flush the last spans

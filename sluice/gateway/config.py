@@ -170,6 +170,7 @@ class GatewayConfig(_Strict):
     keys_file: str | None = None
     seed: int | None = None  # rng seed for policies and version picks (tests)
     max_request_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies get 413
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector for the gateway's spans; None: off
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
