@@ -153,3 +153,17 @@ async def test_oversized_body_is_refused_with_413(http: httpx.AsyncClient) -> No
         r = await http.post(url + "/v1/completions", json=_completion(prompt="x" * 2000))
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
         assert fakes[0].num_received == 0, "an oversized request must not reach a replica"
+
+
+async def test_rate_limited_key_gets_429_with_retry_after(http: httpx.AsyncClient, tmp_path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  sk-slow: {tier: p1, rpm: 1}\n")
+    async with fake_backends(1) as fakes, serve_gateway(
+        gateway_config([fakes[0].url], keys_file=str(keys))
+    ) as (url, _):
+        auth = {"authorization": "Bearer sk-slow"}
+        assert (await http.post(url + "/v1/completions", json=_completion(), headers=auth)).status_code == 200
+        r = await http.post(url + "/v1/completions", json=_completion(), headers=auth)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+        assert int(r.headers["retry-after"]) >= 1, "a rate-limited client must be told when to retry"
+        assert fakes[0].num_received == 1, "a rate-limited request must not reach a replica"
