@@ -72,7 +72,8 @@ class GatewayApp:
             if size > limit:
                 err = InvalidRequestError(f"request body larger than {limit} bytes", code="request_too_large")
                 err.status_code = 413
-                await error_response(err, "")(scope, receive, send)
+                rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+                await error_response(err, rid)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -150,8 +150,9 @@ async def test_oversized_body_is_refused_with_413(http: httpx.AsyncClient) -> No
     async with fake_backends(1) as fakes, serve_gateway(
         gateway_config([fakes[0].url], max_request_bytes=1000)
     ) as (url, _):
-        r = await http.post(url + "/v1/completions", json=_completion(prompt="x" * 2000))
+        r = await http.post(url + "/v1/completions", json=_completion(prompt="x" * 2000), headers={"x-request-id": "big"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert r.headers["x-request-id"] == "big", "x-request-id must be echoed on errors too"
         assert fakes[0].num_received == 0, "an oversized request must not reach a replica"
 
 
