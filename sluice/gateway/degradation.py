@@ -1,7 +1,7 @@
 """Graded degradation: as a model's measured load rises, serve less, then cheaper, then fewer.
 
     level 0  NORMAL      nothing changes
-    level 1  CAP_TOKENS  max_tokens capped to max(16, max_tokens * (1 - min(0.8, load)))
+    level 1  CAP_TOKENS  max_tokens capped to max(16, max_tokens * (1 - min(0.8, load))), load = score
     level 2  FALLBACK    p1/p2 go to the model's lighter fallback version; p0 keeps the primary
     level 3  SHED        429 + Retry-After: p2 first, then p1, p0 only when nothing else is left
 
@@ -323,12 +323,10 @@ class GradedDegradation(DegradationPolicy):
             return Plan(level, shed=True, retry_after_s=self.config.retry_after_s)
         capped = None
         if max_tokens is not None:
-            # NOTE(cap-load): the "load" of the cap formula is how far the score is
-            # past level 1's entry, relative to the room left up to capacity, so the
-            # cap deepens as the model fills (0 at entry, the full 0.8 cut at 1.0).
-            enter = self.config.enter[0]
-            load = (score - enter) / max(1e-9, 1.0 - enter) if enter < 1.0 else score - enter
-            cap = cap_max_tokens(max_tokens, load, self.config)
+            # NOTE(cap-load): the "load" of the cap formula is the model's load score
+            # itself (1.0 = full), so at level 1 the cut is 60-80%: enough to drain
+            # the in-flight tokens within seconds, and the 16-token floor keeps answers useful.
+            cap = cap_max_tokens(max_tokens, score, self.config)
             capped = cap if cap < max_tokens else None
         use_fallback = level >= DegradationLevel.FALLBACK and has_fallback and priority is not Priority.P0
         return Plan(level, max_tokens=capped, use_fallback=use_fallback)
