@@ -109,21 +109,28 @@ def judge(canary: WindowStats, stable: WindowStats | None, config: RolloutConfig
 class VersionWindow:
     """Attempts of one version over the last ``window_s`` seconds."""
 
-    def __init__(self, window_s: float, clock: Callable[[], float]):
+    def __init__(self, window_s: float, clock: Callable[[], float], max_samples: int = 100_000):
         self._window_s = window_s
         self._clock = clock
-        self._samples: deque[tuple[float, bool, bool, float | None]] = deque()  # (t, is_5xx, success, ttfb)
+        # (t, is_5xx, success, ttfb); bounded so a very busy version costs fixed memory
+        self._samples: deque[tuple[float, bool, bool, float | None]] = deque(maxlen=max_samples)
 
     def record(self, *, is_5xx: bool, success: bool, ttfb_s: float | None) -> None:
-        self._samples.append((self._clock(), is_5xx, success, ttfb_s))
+        now = self._clock()
+        self._samples.append((now, is_5xx, success, ttfb_s))
+        if self._samples[0][0] < now - self._window_s:
+            self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        horizon = now - self._window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
 
     def clear(self) -> None:
         self._samples.clear()
 
     def stats(self) -> WindowStats:
-        horizon = self._clock() - self._window_s
-        while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
+        self._evict(self._clock())
         lat = sorted(s[3] for s in self._samples if s[3] is not None)
         p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)] if lat else None
         return WindowStats(
@@ -208,11 +215,14 @@ class RolloutManager:
         self, model: str, version: str, *, status: int | None, ok: bool, ttfb_s: float | None
     ) -> RolloutEvent | None:
         """One attempt at a replica of ``version``: ``status`` None when no answer came."""
+        versions = self.pool.versions(model)
+        if len(versions) < 2:
+            return None  # NOTE(single-version): nothing to compare, nothing to roll back
         is_5xx = status is None or status >= 500 or not ok
         success = ok and status is not None and 200 <= status < 300
         tracked = self._track(model, version)
         tracked.window.record(is_5xx=is_5xx, success=success, ttfb_s=ttfb_s)
-        if not self.config.auto_rollback or version == self.stable_version(model):
+        if not self.config.auto_rollback or version == versions[0].name:
             return None
         now = self.clock()
         if now - tracked.judged_at < self.config.judge_interval_s and not is_5xx:
