@@ -5,10 +5,13 @@
     GET  /health                                 200 while some model has a routable replica
     GET  /metrics                                Prometheus text (metrics.py)
     GET  /admin/replicas, /admin/models          state and load figures (admin key)
+    GET  /admin/degradation                      levels, load scores, level changes (admin key)
+    GET  /admin/rollout, POST /admin/rollout     version shares, canary windows, rollbacks; set shares
+    GET  /admin/autoscale                        autoscaled models: replicas, decisions (admin key)
 
 ``build_app(config, *, client=None, clock=None, keys=None, tracer_provider=None)``
 builds everything;
-the lifespan owns the scraper task and the upstream HTTP session.  Run it with
+the lifespan owns the scraper and autoscaler tasks and the upstream HTTP session.  Run it with
 uvicorn (``sluice gateway``) or in-process in tests.
 """
 
@@ -31,7 +34,9 @@ from starlette.types import Receive, Scope, Send
 
 from sluice.auth import KeyStore
 from sluice.errors import InvalidRequestError, ModelNotFoundError, SluiceError
+from sluice.gateway.autoscale import Autoscaler
 from sluice.gateway.config import GatewayConfig
+from sluice.gateway.launchers import Launcher, make_launcher
 from sluice.gateway.pipeline import Gateway, ProxyStream, error_response
 from sluice.gateway.scraper import Scraper
 from sluice.gateway.upstream import UpstreamClient
@@ -100,9 +105,11 @@ def build_app(
     keys: KeyStore | None = None,
     run_scraper: bool = True,
     tracer_provider: TracerProvider | None = None,
+    launchers: dict[str, Launcher] | None = None,
 ) -> GatewayApp:
     gateway = Gateway(config, client=client, clock=clock, keys=keys, tracer_provider=tracer_provider)
     scraper = Scraper(config, gateway.pool, lambda: gateway.client.session, clock=clock)
+    autoscaler = _build_autoscaler(config, gateway, launchers, clock)
 
     async def proxy(request: Request) -> Response | ProxyStream:  # only reached via fallback
         raw = await request.body()
@@ -151,6 +158,38 @@ def build_app(
             }
         return JSONResponse({"models": out, "policy": gateway.policy.name.value})
 
+    async def admin_degradation(request: Request) -> Response:
+        try:
+            gateway.authenticate_admin(request.headers)
+        except SluiceError as e:
+            return error_response(e, _rid(request))
+        return JSONResponse(gateway.degradation_view())
+
+    async def admin_rollout(request: Request) -> Response:
+        try:
+            gateway.authenticate_admin(request.headers)
+            if request.method == "POST":
+                try:
+                    body = json.loads(await request.body())
+                except ValueError:
+                    raise InvalidRequestError("request body is not valid JSON") from None
+                if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+                    raise InvalidRequestError("expected {\"model\": <name>, \"shares\": {<version>: <share>}}", param="model")
+                shares = body.get("shares")
+                if not isinstance(shares, dict):
+                    raise InvalidRequestError("'shares' must be an object {<version>: <share>}", param="shares")
+                gateway.rollout.set_shares(body["model"], shares)
+        except SluiceError as e:
+            return error_response(e, _rid(request))
+        return JSONResponse(gateway.rollout.describe())
+
+    async def admin_autoscale(request: Request) -> Response:
+        try:
+            gateway.authenticate_admin(request.headers)
+        except SluiceError as e:
+            return error_response(e, _rid(request))
+        return JSONResponse({"models": autoscaler.describe() if autoscaler is not None else {}})
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
@@ -167,12 +206,15 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        task = asyncio.create_task(scraper.run()) if run_scraper else None
+        tasks = [asyncio.create_task(scraper.run())] if run_scraper else []
+        if autoscaler is not None:
+            tasks.append(asyncio.create_task(autoscaler.run()))  # its finally stops what it launched
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await gateway.client.close()
@@ -186,10 +228,38 @@ def build_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/replicas", admin_replicas, methods=["GET"]),
             Route("/admin/models", admin_models, methods=["GET"]),
+            Route("/admin/degradation", admin_degradation, methods=["GET"]),
+            Route("/admin/rollout", admin_rollout, methods=["GET", "POST"]),
+            Route("/admin/autoscale", admin_autoscale, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     app.state.gateway = gateway
     app.state.scraper = scraper
+    app.state.autoscaler = autoscaler
     return GatewayApp(gateway, app)
+
+
+def _build_autoscaler(
+    config: GatewayConfig,
+    gateway: Gateway,
+    launchers: dict[str, Launcher] | None,
+    clock: Callable[[], float],
+) -> Autoscaler | None:
+    configs = {m: mc.autoscale for m, mc in config.models.items() if mc.autoscale is not None}
+    if not configs:
+        return None
+    launchers = dict(launchers or {})
+    for model, ac in configs.items():
+        if model not in launchers:
+            launchers[model] = make_launcher(ac.launcher)
+
+    def decided(model: str, old: int, new: int, reason: str) -> None:
+        gateway.metrics.autoscale_decisions.labels(model, "up" if new > old else "down").inc()
+
+    autoscaler = Autoscaler(
+        gateway.pool, configs, launchers, load_config=config.degradation, clock=clock, on_decision=decided
+    )
+    gateway.ops_metrics.autoscaler = autoscaler
+    return autoscaler

@@ -30,6 +30,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sluice.errors import InvalidRequestError
+from sluice.gateway.autoscale import AutoscaleConfig
+from sluice.gateway.degradation import DegradationConfig
+from sluice.gateway.rollout import RolloutConfig
 
 __all__ = [
     "PolicyName",
@@ -43,6 +46,9 @@ __all__ = [
     "WeightedConfig",
     "PrefixAffinityConfig",
     "GatewayConfig",
+    "DegradationConfig",
+    "RolloutConfig",
+    "AutoscaleConfig",
     "load_config",
 ]
 
@@ -80,7 +86,7 @@ class VersionConfig(_Strict):
     name: str = "v1"
     share: float = Field(default=100.0, ge=0)  # relative traffic share among the model's versions
     served_model: str | None = None  # model name the replicas expect; None: same as requested
-    replicas: list[ReplicaConfig] = Field(min_length=1)
+    replicas: list[ReplicaConfig] = Field(default_factory=list)  # empty only when autoscale launches them
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -92,6 +98,8 @@ class VersionConfig(_Strict):
 
 class ModelConfig(_Strict):
     versions: list[VersionConfig] = Field(min_length=1)
+    fallback: str | None = None  # version that takes p1/p2 traffic at degradation level 2
+    autoscale: AutoscaleConfig | None = None  # launch / stop replicas of one version by load
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -100,6 +108,14 @@ class ModelConfig(_Strict):
             raise ValueError(f"version names must be unique, got {names}")
         if sum(v.share for v in self.versions) <= 0:
             raise ValueError("at least one version needs a share > 0")
+        scaled = (self.autoscale.version or names[0]) if self.autoscale else None
+        if scaled is not None and scaled not in names:
+            raise ValueError(f"autoscale.version {scaled!r} is not one of the versions {names}")
+        for v in self.versions:
+            if not v.replicas and v.name != scaled:
+                raise ValueError(f"version {v.name!r} needs at least one replica (or autoscale to launch them)")
+        if self.fallback is not None and self.fallback not in names:
+            raise ValueError(f"fallback {self.fallback!r} is not one of the versions {names}")
         return self
 
 
@@ -178,6 +194,8 @@ class GatewayConfig(_Strict):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     weighted: WeightedConfig = Field(default_factory=WeightedConfig)
     prefix_affinity: PrefixAffinityConfig = Field(default_factory=PrefixAffinityConfig)
+    degradation: DegradationConfig = Field(default_factory=DegradationConfig)  # docs/operations.md
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # canary judgement and rollback
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:

@@ -17,18 +17,34 @@ from the pool at scrape time by a custom collector, so they are never stale.
     sluice_gateway_model_routable_replicas{model}
     sluice_gateway_model_inflight_tokens{model}
     sluice_gateway_model_ttft_p95_seconds{model}
+
+Operations (docs/operations.md):
+
+    sluice_gateway_degradation_level{model}                 0 normal .. 3 shedding
+    sluice_gateway_degradation_score{model}                 load score, 1.0 = at capacity
+    sluice_gateway_degradation_changes_total{model,direction}   up / down
+    sluice_gateway_degraded_requests_total{model,action,priority}   cap / fallback / shed
+    sluice_gateway_version_share{model,version}             current traffic share
+    sluice_gateway_rollbacks_total{model,version}
+    sluice_gateway_autoscale_replicas{model}                replicas of the autoscaled version
+    sluice_gateway_autoscale_decisions_total{model,direction}   up / down
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sluice.gateway.pool import ReplicaPool
+
+if TYPE_CHECKING:
+    from sluice.gateway.autoscale import Autoscaler
+    from sluice.gateway.degradation import DegradationPolicy
 
 __all__ = ["GatewayMetrics"]
 
@@ -67,8 +83,36 @@ class _PoolCollector(Collector):
         yield from (state, trips, healthy, inflight, age, routable, tokens, ttft)
 
 
+class _OpsCollector(Collector):
+    """Degradation levels, version shares and autoscaled replica counts, read at scrape time."""
+
+    def __init__(self, pool: ReplicaPool, degradation: DegradationPolicy):
+        self._pool = pool
+        self._degradation = degradation
+        self.autoscaler: Autoscaler | None = None  # set by build_app when a model autoscales
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        level = GaugeMetricFamily("sluice_gateway_degradation_level", "0 normal, 1 max_tokens cap, 2 fallback, 3 shedding", labels=["model"])
+        score = GaugeMetricFamily("sluice_gateway_degradation_score", "Load score (1.0 = at capacity)", labels=["model"])
+        share = GaugeMetricFamily("sluice_gateway_version_share", "Traffic share of a version", labels=["model", "version"])
+        for model in self._pool.models:
+            level.add_metric([model], float(int(self._degradation.level(model))))
+            pressure = getattr(self._degradation, "pressure", None)
+            if pressure is not None:
+                score.add_metric([model], pressure(model).score)
+            for v in self._pool.versions(model):
+                share.add_metric([model, v.name], v.share)
+        yield from (level, score, share)
+        if self.autoscaler is not None:
+            replicas = GaugeMetricFamily("sluice_gateway_autoscale_replicas", "Replicas of the autoscaled version", labels=["model"])
+            for model in self.autoscaler.models:
+                replicas.add_metric([model], float(self.autoscaler.num_replicas(model)))
+            yield replicas
+
+
 class GatewayMetrics:
     def __init__(self, pool: ReplicaPool, *, clock: Callable[[], float] = time.monotonic):
+        self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter(
@@ -93,7 +137,29 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.degradation_changes = Counter(
+            "sluice_gateway_degradation_changes", "Degradation level changes", ["model", "direction"], registry=r
+        )
+        self.degraded = Counter(
+            "sluice_gateway_degraded_requests",
+            "Requests degraded: max_tokens capped, sent to the fallback version, or shed",
+            ["model", "action", "priority"],
+            registry=r,
+        )
+        self.rollbacks = Counter(
+            "sluice_gateway_rollbacks", "Canary versions rolled back automatically", ["model", "version"], registry=r
+        )
+        self.autoscale_decisions = Counter(
+            "sluice_gateway_autoscale_decisions", "Autoscaler replica count changes", ["model", "direction"], registry=r
+        )
         r.register(_PoolCollector(pool, clock))
+        self.ops: _OpsCollector | None = None
+
+    def watch_operations(self, degradation: DegradationPolicy) -> _OpsCollector:
+        """Export degradation levels and version shares (and, once set, the autoscaler)."""
+        self.ops = _OpsCollector(self._pool, degradation)
+        self.registry.register(self.ops)
+        return self.ops
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

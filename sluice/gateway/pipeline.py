@@ -3,12 +3,13 @@
     handle()
       authenticate         API key -> KeyInfo, rate limit, priority capped by tier
       parse_request        model, stream flag, prompt text, token estimate
-      pick_version         traffic shares between a model's versions (rollouts hook here)
-      choose_replica       policy over routable, untried replicas (degradation hooks here)
+      degrade              graded degradation: shed (429), cap max_tokens, or use the fallback version
+      pick_version         traffic shares between a model's versions (canary rollouts)
+      choose_replica       policy over routable, untried replicas
       forward              one attempt; retried elsewhere only before the first byte,
                            within the retry budget
-      record_outcome       breaker, health, metrics, TTFT, then every ``outcome_hooks``
-                           callback (canary analysis hooks here)
+      record_outcome       breaker, health, metrics, TTFT, canary windows (every attempt),
+                           then every ``outcome_hooks`` callback
 
 Streams pass through chunk by chunk (``ProxyStream``); a client disconnect
 closes the upstream connection so the replica aborts the request.
@@ -22,7 +23,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -33,17 +34,20 @@ from sluice.auth import KeyInfo, KeyStore, RateLimiter
 from sluice.errors import (
     AuthenticationError,
     InvalidRequestError,
+    OverloadedError,
     ServiceUnavailableError,
     SluiceError,
 )
 from sluice.gateway.config import GatewayConfig
+from sluice.gateway.degradation import DegradationPolicy, LevelChange, Plan, make_degradation
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.policies import RouteRequest, RoutingPolicy, make_policy
 from sluice.gateway.pool import ReplicaPool, Version
 from sluice.gateway.replica import Replica
 from sluice.gateway.retry import RetryBudget
+from sluice.gateway.rollout import RolloutEvent, RolloutManager
 from sluice.gateway.upstream import AttemptError, Upstream, UpstreamClient
-from sluice.types import parse_priority
+from sluice.types import Priority, parse_priority
 
 __all__ = ["Outcome", "Gateway", "ProxyStream", "error_response"]
 
@@ -72,6 +76,8 @@ class _Parsed:
     model: str
     stream: bool
     route: RouteRequest
+    max_tokens: int  # the client's max_tokens, or the gateway's default estimate
+    priority: Priority = Priority.P1  # after the key's tier cap
 
 
 def error_response(e: SluiceError, request_id: str) -> Response:
@@ -137,6 +143,11 @@ class Gateway:
         self.limiter = RateLimiter(clock=clock)
         self.client = client or UpstreamClient(config.timeouts)
         self.outcome_hooks: list[Callable[[Outcome], None]] = []
+        self.degradation: DegradationPolicy = make_degradation(
+            config.degradation, clock=clock, on_change=self._level_changed
+        )
+        self.rollout = RolloutManager(config.rollout, self.pool, clock=clock, on_event=self._rollout_event)
+        self.ops_metrics = self.metrics.watch_operations(self.degradation)
 
     # ---- the pipeline -----------------------------------------------------------------
 
@@ -154,6 +165,7 @@ class Gateway:
             return error_response(InvalidRequestError(str(e), param="priority"), request_id)
         except SluiceError as e:
             return error_response(e, request_id)
+        parsed = replace(parsed, priority=priority)
         upstream_headers = {
             "content-type": "application/json",
             "x-request-id": request_id,
@@ -200,9 +212,25 @@ class Gateway:
             raise InvalidRequestError("'max_tokens' must be a positive integer", param="max_tokens")
         self.pool.versions(model)  # 404 for unknown models, before any routing
         # NOTE(token-estimate): ~4 characters per token; the gateway never tokenizes.
-        return _Parsed(raw, body, model, stream, RouteRequest(model, text, len(text) // 4 + max_tokens))
+        return _Parsed(raw, body, model, stream, RouteRequest(model, text, len(text) // 4 + max_tokens), max_tokens)
 
-    def pick_version(self, model: str) -> Version:
+    def degrade(self, parsed: _Parsed) -> Plan:
+        """The degradation plan for one request; feeds the policy fresh load figures first."""
+        model, d = parsed.model, self.degradation
+        if d.is_observation_due(model):
+            ttft = self.pool.p95_ttft(model, window_s=self.config.degradation.ttft_window_s)
+            d.observe(model, self.pool.model_load(model), ttft)
+        fallback = self.config.models[model].fallback
+        has_fallback = fallback is not None and bool(self.pool.version(model, fallback).routable())
+        return d.plan(model, parsed.priority, parsed.max_tokens, has_fallback)
+
+    def pick_version(self, model: str, plan: Plan | None = None) -> Version:
+        if plan is not None and plan.use_fallback:
+            fallback = self.config.models[model].fallback
+            if fallback is not None:
+                v = self.pool.version(model, fallback)
+                if v.routable():
+                    return v
         version = self.pool.pick_version(model)
         if version is None:
             raise ServiceUnavailableError(
@@ -231,12 +259,37 @@ class Gateway:
         self, path: str, parsed: _Parsed, headers: dict[str, str], request_id: str, t0: float
     ) -> Response | ProxyStream:
         model = parsed.model
+        plan = self.degrade(parsed)
+        if plan.shed:
+            self.metrics.degraded.labels(model, "shed", parsed.priority.label).inc()
+            err = OverloadedError(
+                f"model {model!r} is overloaded: {parsed.priority.label} requests are being shed, retry later",
+                retry_after=plan.retry_after_s,
+                code="degraded_shed",
+            )
+            self._record(Outcome(model, None, None, err.status_code, False, None, self.clock() - t0, 0, "shed"))
+            return error_response(err, request_id)
+        self.degradation.add_request(model, parsed.priority)
         try:
-            version = self.pick_version(model)
+            result = await self._route_planned(path, parsed, plan, headers, request_id, t0)
+        except BaseException:
+            self.degradation.finish_request(model, parsed.priority)
+            raise
+        if not isinstance(result, ProxyStream):
+            self.degradation.finish_request(model, parsed.priority)
+        return result
+
+    async def _route_planned(
+        self, path: str, parsed: _Parsed, plan: Plan, headers: dict[str, str], request_id: str, t0: float
+    ) -> Response | ProxyStream:
+        model = parsed.model
+        try:
+            version = self.pick_version(model, plan)
         except SluiceError as e:
             self._record(Outcome(model, None, None, e.status_code, False, None, self.clock() - t0, 0, "no_replica"))
             return error_response(e, request_id)
-        body = self._upstream_body(raw_body=parsed, version=version)
+        degraded = self._degraded_header(parsed, plan, version)
+        body = self._upstream_body(raw_body=parsed, version=version, max_tokens=plan.max_tokens)
         self.retry_budget.record_request()
         tried: set[str] = set()
         last: AttemptError | None = None
@@ -268,22 +321,40 @@ class Gateway:
                 "x-sluice-replica": replica.url,
                 "content-type": up.headers.get("content-type", "application/json"),
             }
+            if degraded:
+                out_headers["x-sluice-degraded"] = degraded
             if up.response is None:  # complete body in hand
                 replica.finish_request(tokens)
                 ok = up.status < 500
                 replica.breaker.record(ok, self.clock() - t_sent)
+                self.rollout.record_attempt(model, replica.version, status=up.status, ok=ok, ttfb_s=ttfb)
                 self._record(Outcome(model, replica.version, replica.url, up.status, ok, ttfb, self.clock() - t0, attempt, None))
                 return Response(up.first_chunk, status_code=up.status, headers=out_headers)
             return ProxyStream(self, up, replica, parsed, out_headers, t0, t_sent, ttfb, attempt)
         return self._give_up(parsed, version, failed, last, request_id, t0, len(tried))
 
-    def _upstream_body(self, raw_body: _Parsed, version: Version) -> bytes:
+    def _degraded_header(self, parsed: _Parsed, plan: Plan, version: Version) -> str:
+        """``x-sluice-degraded`` value ("" when the request is served as asked); counts it."""
+        parts = []
+        if plan.max_tokens is not None:
+            parts.append(f"max_tokens={plan.max_tokens}")
+            self.metrics.degraded.labels(parsed.model, "cap", parsed.priority.label).inc()
+        if plan.use_fallback and version.name == self.config.models[parsed.model].fallback:
+            parts.append(f"fallback={version.name}")
+            self.metrics.degraded.labels(parsed.model, "fallback", parsed.priority.label).inc()
+        return ", ".join(parts)
+
+    def _upstream_body(self, raw_body: _Parsed, version: Version, max_tokens: int | None = None) -> bytes:
         body = raw_body.body
         rename = version.served_model and version.served_model != raw_body.model
-        if not rename and "priority" not in body:
+        if not rename and "priority" not in body and max_tokens is None:
             return raw_body.raw  # NOTE(no-reencode): forward the client's bytes untouched
         body = {**body, "model": version.served_model} if rename else dict(body)
         body.pop("priority", None)  # sent as the x-priority header, capped by the key's tier
+        if max_tokens is not None:  # degradation level 1: the replica ends it with finish_reason "length"
+            body["max_tokens"] = max_tokens
+            if "max_completion_tokens" in body:
+                body["max_completion_tokens"] = max_tokens
         return json.dumps(body).encode()
 
     def _attempt_failed(self, replica: Replica, e: AttemptError, elapsed: float) -> None:
@@ -291,6 +362,7 @@ class Gateway:
         # NOTE(429): a full replica is alive and answering; it must not trip its
         # breaker, but a half-open probe slot it held must be given back.
         replica.breaker.record(not e.is_replica_failure, elapsed)
+        self.rollout.record_attempt(replica.model, replica.version, status=e.status, ok=not e.is_replica_failure, ttfb_s=None)
         if e.kind == "connect":
             replica.health.record_connect_failure(e.message)
 
@@ -330,6 +402,35 @@ class Gateway:
         self._record(Outcome(model, version.name, url, 503, False, None, self.clock() - t0, num_attempts, last.kind if last else "no_replica"))
         return error_response(err, request_id)
 
+    def _level_changed(self, change: LevelChange) -> None:
+        direction = "up" if change.new > change.old else "down"
+        self.metrics.degradation_changes.labels(change.model, direction).inc()
+
+    def _rollout_event(self, event: RolloutEvent) -> None:
+        if event.action == "rollback":
+            self.metrics.rollbacks.labels(event.model, event.version).inc()
+
+    def degradation_view(self) -> dict[str, object]:
+        """JSON view for ``GET /admin/degradation``."""
+        d = self.degradation
+        out: dict[str, object] = {}
+        for model in self.pool.models:
+            pressure = getattr(d, "pressure", None)
+            changes = getattr(d, "changes", None)
+            p = pressure(model) if pressure is not None else None
+            out[model] = {
+                "level": int(d.level(model)),
+                "level_name": d.level(model).name.lower(),
+                "score": None if p is None else round(p.score, 4),
+                "pressure": None if p is None else {"queue": round(p.queue, 4), "tokens": round(p.tokens, 4), "ttft": round(p.ttft, 4)},
+                "fallback": self.config.models[model].fallback,
+                "changes": [
+                    {"at": c.at, "from": int(c.old), "to": int(c.new), "score": round(c.score, 4), "reason": c.reason}
+                    for c in (changes(model) if changes is not None else [])
+                ],
+            }
+        return {"policy": d.name.value, "models": out}
+
     def _record(self, outcome: Outcome) -> None:
         self.metrics.requests.labels(outcome.model, outcome.replica or "none", str(outcome.status)).inc()
         for hook in self.outcome_hooks:
@@ -343,6 +444,8 @@ class Gateway:
     ) -> None:
         replica = stream.replica
         replica.finish_request(stream.parsed.route.num_tokens)
+        self.degradation.finish_request(stream.parsed.model, stream.parsed.priority)
+        self.rollout.record_attempt(replica.model, replica.version, status=200, ok=error is None, ttfb_s=stream.ttfb_s)
         now = self.clock()
         if error is not None:
             self.metrics.errors.labels(replica.model, replica.url, error.kind).inc()

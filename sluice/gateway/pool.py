@@ -139,8 +139,8 @@ class ReplicaPool:
     def record_ttft(self, model: str, seconds: float) -> None:
         self._ttft_by_model[model].append((self._clock(), seconds))
 
-    def p95_ttft(self, model: str) -> float | None:
-        horizon = self._clock() - _TTFT_WINDOW_S
+    def p95_ttft(self, model: str, window_s: float = _TTFT_WINDOW_S) -> float | None:
+        horizon = self._clock() - window_s
         samples = sorted(s for t, s in self._ttft_by_model.get(model, ()) if t >= horizon)
         if not samples:
             return None

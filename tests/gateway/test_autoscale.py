@@ -168,3 +168,46 @@ async def test_controller_tick_launches_up_to_min_replicas_and_logs_the_decision
             assert launcher.replicas() == [], "closing the autoscaler stops what it launched"
     finally:
         await static.stop()
+
+
+async def test_gateway_config_autoscale_launches_min_replicas_and_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sluice.auth import KeyStore
+
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text("keys:\n  sk-user: {tier: p0}\nadmin_keys: [sk-admin]\n")
+    launcher = FakeLauncher()
+    cfg = gateway_config(
+        [],
+        models={"m": {"versions": [{"name": "v1", "replicas": []}],
+                      "autoscale": {"model_path": "unused", "min_replicas": 2, "max_replicas": 3, "interval_s": 0.05}}},
+    )  # fmt: skip
+    try:
+        async with serve_gateway(cfg, keys=KeyStore.build((), str(keys_file)), launchers={"m": launcher}) as (url, app), \
+                httpx.AsyncClient(timeout=10) as http:  # fmt: skip
+            for _ in range(200):
+                if len(launcher.replicas()) == 2 and app.state.autoscaler.num_replicas("m") == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert app.state.autoscaler.num_replicas("m") == 2, "the gateway must launch min_replicas at start"
+            r = await http.post(url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4},
+                                headers={"authorization": "Bearer sk-user"})  # fmt: skip
+            assert r.status_code == 200 and r.headers["x-sluice-replica"] in launcher.fakes
+            view = (await http.get(url + "/admin/autoscale", headers={"authorization": "Bearer sk-admin"})).json()
+            assert view["models"]["m"]["num_replicas"] == 2 and len(view["models"]["m"]["launched"]) == 2
+            metrics = (await http.get(url + "/metrics")).text
+            assert 'sluice_gateway_autoscale_replicas{model="m"} 2.0' in metrics
+            assert 'sluice_gateway_autoscale_decisions_total{direction="up",model="m"} 1.0' in metrics
+        assert launcher.replicas() == [], "gateway shutdown must stop the replicas it launched"
+    finally:
+        for f in launcher.fakes.values():
+            await f.stop()
+
+
+def test_a_version_without_replicas_needs_autoscale() -> None:
+    from sluice.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="at least one replica"):
+        gateway_config([], models={"m": {"versions": [{"name": "v1", "replicas": []}]}})
+    with pytest.raises(InvalidRequestError, match="autoscale.version"):
+        gateway_config([], models={"m": {"versions": [{"name": "v1", "replicas": []}],
+                                         "autoscale": {"model_path": "x", "version": "v9"}}})  # fmt: skip
