@@ -74,3 +74,12 @@ sluice_time_to_first_token_seconds_count 5
     assert parse_replica_load("") == ReplicaLoad(), "a server exporting nothing has unknown load"
     with pytest.raises(ValueError):
         parse_replica_load("this is { not prometheus")
+
+
+def test_operations_example_config_loads() -> None:
+    cfg = load_config(EXAMPLE.parents[1] / "operations" / "gateway.yaml")
+    assert cfg.degradation.policy.value == "graded" and cfg.rollout.auto_rollback
+    assert cfg.models["smollm2"].fallback == "v1"
+    auto = cfg.models["autoscaled"].autoscale
+    assert auto is not None and auto.launcher.kind.value == "local" and (auto.min_replicas, auto.max_replicas) == (1, 2)
+    assert cfg.models["autoscaled"].versions[0].replicas == [], "an autoscaled version may start empty"
