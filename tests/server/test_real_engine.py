@@ -4,6 +4,7 @@ driven by the official ``openai`` client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -106,10 +107,14 @@ async def test_concurrent_streams_and_disconnects_free_every_block(real_server: 
     url = real_server.url
 
     async def full(s: aiohttp.ClientSession) -> int:
-        body = {"prompt": "tell me", "max_tokens": 8, "stream": True, "ignore_eos": True}
+        body = {"prompt": "tell me", "max_tokens": 8, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
         async with s.post(url + "/v1/completions", json=body) as r:
-            n = len([line async for line in r.content if line.startswith(b"data: {")])
-            return n if r.status == 200 else -r.status
+            lines = [line.strip() async for line in r.content if line.startswith(b"data: ")]
+            if r.status != 200 or lines[-1] != b"data: [DONE]":
+                return -r.status
+            # events can be fewer than tokens (a token may complete no character yet): use usage
+            return int(json.loads(lines[-2][6:])["usage"]["completion_tokens"])
 
     async def vanish(s: aiohttp.ClientSession) -> None:
         body = {"prompt": "go on", "max_tokens": 200, "stream": True, "ignore_eos": True}
