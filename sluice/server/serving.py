@@ -55,9 +55,12 @@ TOKENIZE_INLINE_CHARS = 8192
 
 @dataclass
 class RequestContext:
-    request_id: str
+    request_id: str  # x-request-id: the client's, echoed (not necessarily unique)
     arrival: float  # monotonic
     span: Span
+    # NOTE(uid): engine request ids and queue keys use a server-made unique id, so two
+    # clients sending the same x-request-id never share a stream.
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     key: KeyInfo | None = None
     priority: Priority = Priority.P1
     status: int = 200  # HTTP status for metrics / logs; 499: client went away
@@ -101,7 +104,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tracing = tracing
         self.is_draining = is_draining
-        self.inflight: dict[str, Generation] = {}  # HTTP request id -> generation
+        self.inflight: dict[str, Generation] = {}  # RequestContext.uid -> generation
         self._token_text_cache: dict[int, str] = {}
 
     # -- request preparation -------------------------------------------------------
@@ -195,7 +198,7 @@ class OpenAIServing:
         assert ctx.key is not None
         num_tokens = sum(len(p) + sp.max_tokens * n for p in prep.prompts)
         self.rate_limiter.check(ctx.key, num_tokens)
-        for victim in self.admission.admit(ctx.request_id, ctx.priority, num_tokens):
+        for victim in self.admission.admit(ctx.uid, ctx.priority, num_tokens):
             self._shed(victim)
         reqs: list[EngineRequest] = []
         choices: list[Choice] = []
@@ -203,7 +206,7 @@ class OpenAIServing:
         for pi, prompt in enumerate(prep.prompts):
             for j in range(n):
                 index = pi * n + j
-                rid = f"{ctx.request_id}-{index}"
+                rid = f"{ctx.uid}-{index}"
                 # NOTE(n-seeds): with a seed and n > 1, choice j uses seed + j so the
                 # choices differ yet the whole response stays reproducible.
                 seed = None if sp.seed is None else (sp.seed + j) % (2**63)
@@ -224,7 +227,7 @@ class OpenAIServing:
         try:
             stream = self.client.add_requests(reqs)
         except SluiceError:
-            self.admission.remove(ctx.request_id)
+            self.admission.remove(ctx.uid)
             raise
         label = ctx.priority.label
         gen = Generation(
@@ -233,10 +236,10 @@ class OpenAIServing:
             choices,
             arrival=ctx.arrival,
             keep_text=not prep.request.stream,
-            on_started=lambda: self.admission.remove(ctx.request_id),
+            on_started=lambda: self.admission.remove(ctx.uid),
             on_choice_done=lambda c: self._choice_done(ctx, c, label),
         )
-        self.inflight[ctx.request_id] = gen
+        self.inflight[ctx.uid] = gen
         self.metrics.queued.set(self.admission.num_queued)
         return gen
 
@@ -318,8 +321,8 @@ class OpenAIServing:
             if not gen.is_done and ctx.status == 200:
                 ctx.status = 499
             gen.close()
-            self.inflight.pop(ctx.request_id, None)
-        self.admission.remove(ctx.request_id)
+            self.inflight.pop(ctx.uid, None)
+        self.admission.remove(ctx.uid)
         self.metrics.queued.set(self.admission.num_queued)
         label = ctx.priority.label
         self.metrics.count_request(ctx.status, label)

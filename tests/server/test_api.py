@@ -243,3 +243,18 @@ def test_one_json_log_line_per_request(fake_server: ServerThread, caplog: pytest
     doc = json.loads(JsonFormatter().format(recs[0]))
     assert doc["prompt_tokens"] == 4 and doc["completion_tokens"] == 2 and doc["priority"] == "p1"
     assert {"queue_s", "prefill_s", "decode_s", "ttft_s", "e2e_s"} <= doc.keys()
+
+
+async def test_same_client_request_id_twice_concurrently_keeps_streams_apart(fake_server: ServerThread) -> None:
+    import asyncio
+
+    async with httpx.AsyncClient(base_url=fake_server.url, timeout=30) as c:
+        a, b = await asyncio.gather(
+            c.post("/v1/completions", json={"prompt": "aaaa", "max_tokens": 20, "temperature": 0},
+                   headers={"x-request-id": "dup"}),
+            c.post("/v1/completions", json={"prompt": "zz", "max_tokens": 20, "temperature": 0},
+                   headers={"x-request-id": "dup"}),
+        )
+    assert a.json()["choices"][0]["text"] == greedy_letters([256, *b"aaaa"], 20)
+    assert b.json()["choices"][0]["text"] == greedy_letters([256, *b"zz"], 20), "duplicate ids must not mix outputs"
+    assert a.headers["x-request-id"] == b.headers["x-request-id"] == "dup"
