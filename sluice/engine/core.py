@@ -99,6 +99,15 @@ class EngineCore:
                 f"the prompt ({n} tokens) plus max_tokens ({sp.max_tokens}) exceed it",
                 param="max_tokens",
             )
+        capacity = self.block_manager.num_blocks * BLOCK_SIZE
+        if n + sp.max_tokens > capacity:
+            # NOTE(kv-capacity): a request that cannot fit the whole KV cache alone
+            # would wait forever; reject it up front.
+            raise ContextLengthError(
+                f"the KV cache holds {capacity} tokens; the prompt ({n} tokens) plus max_tokens "
+                f"({sp.max_tokens}) exceed it (raise --kv-cache-memory)",
+                param="max_tokens",
+            )
         if ereq.priority not in (0, 1, 2):
             raise InvalidRequestError(f"invalid priority {ereq.priority}: expected 0, 1 or 2", param="priority")
         req = Request.from_engine_request(ereq)

@@ -38,6 +38,14 @@ def test_prompt_plus_max_tokens_over_context(small_ctx_engine: EngineCore) -> No
         )
 
 
+def test_request_larger_than_the_kv_cache(tiny_llama: Path) -> None:
+    engine = EngineCore(model=str(tiny_llama), kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4)  # 4 blocks
+    assert engine.block_manager.num_blocks == 4
+    with pytest.raises(ContextLengthError, match="the KV cache holds 64 tokens"):
+        engine.add_request(EngineRequest(request_id="big", prompt_token_ids=[5] * 60, sampling=SamplingParams(max_tokens=10)))
+    assert not engine.has_unfinished_requests()
+
+
 def test_out_of_vocab_and_empty_prompts(small_ctx_engine: EngineCore) -> None:
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         small_ctx_engine.add_request(EngineRequest(request_id="v", prompt_token_ids=[10**7], sampling=SamplingParams()))
