@@ -235,6 +235,7 @@ async def run_level(server: Server, concurrency: int, num_requests: int, seed: i
         "error_sample": errors[:2],
         "api_cpu_us_per_token": 1e6 * cpu / toks if toks else float("nan"),
         "wall_s": wall,
+        "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews everything
     }
 
 
@@ -326,13 +327,13 @@ def main(argv: list[str] | None = None) -> None:
                                            "levels": rows}
 
     headers = ["system", "conc", "req/s", "out tok/s", "TTFT p50 s", "TTFT p95 s", "TPOT ms", "e2e p95 s",
-               "errors", "API CPU us/tok"]
+               "errors", "API CPU us/tok", "load avg"]
     table = []
     for name, sysres in results["systems"].items():
         for r in sysres["levels"]:
             table.append([name, r["concurrency"], r["req_per_s"], r["output_tok_per_s"], r["ttft_p50_s"],
                           r["ttft_p95_s"], 1000 * r["tpot_mean_s"], r["e2e_p95_s"], r["errors"],
-                          r["api_cpu_us_per_token"]])
+                          r["api_cpu_us_per_token"], r["load_avg_1m"]])
     md = markdown_table(headers, table)
     if args.profile_step:
         prof = profile_engine_step(args.model, args.profile_step)
@@ -354,7 +355,9 @@ def main(argv: list[str] | None = None) -> None:
             "## Online serving (`benchmarks/serving.py`)\n\n"
             f"{machine_line()}. SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32), prompts of "
             f"{PROMPT_TOKENS} tokens, {OUTPUT_TOKENS} output tokens with `ignore_eos`, temperature 0, streamed; "
-            f"the client runs on the same 2 cores.\n\n{md}\n{extra}\n",
+            f"the client runs on the same 2 cores. `load avg` is the machine's 1-minute load average at the "
+            f"end of each level: above ~2, other work shares the cores and every figure is pessimistic.\n\n"
+            f"{md}\n{extra}\n",
         )
     print_json_last(results)
 
