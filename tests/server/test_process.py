@@ -119,12 +119,13 @@ def test_health_is_503_until_the_engine_is_ready() -> None:
     from tests.server.conftest import ServerThread
 
     app = build_app(load_settings(model="fake"),
-                    engine_factory=functools.partial(FakeEngineCore, load_delay=1.5),
+                    engine_factory=functools.partial(FakeEngineCore, load_delay=3.0),
                     codec_factory=fake_codec_factory)
     srv = ServerThread(app)
     srv.thread.start()
     try:
-        codes = []
+        codes: list[int] = []
+        posts: list[int] = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -136,9 +137,12 @@ def test_health_is_503_until_the_engine_is_ready() -> None:
             if r.status_code == 200:
                 break
             early = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
-            assert early.status_code == 503 and "retry-after" in early.headers, "requests before ready get 503"
+            posts.append(early.status_code)
+            if early.status_code == 503:
+                assert "retry-after" in early.headers
             time.sleep(0.1)
         assert codes[0] == 503, "/health must not be 200 while the model loads"
+        assert posts and posts[0] == 503, f"requests before the engine is ready get 503: {posts}"
         assert codes[-1] == 200, "/health turns 200 once the engine core is ready"
     finally:
         srv.stop()
