@@ -80,6 +80,7 @@ class DegradationConfig(BaseModel):
     policy: DegradationPolicyName = DegradationPolicyName.GRADED
     ttft_target_s: float = Field(default=2.0, gt=0)  # the contract's p95 time to first token
     ttft_window_s: float = Field(default=10.0, gt=0)  # p95 TTFT over this recent window
+    ttft_min_samples: int = Field(default=5, ge=1)  # fewer TTFTs in the window: no TTFT signal (p95 = max)
     queue_per_replica: float = Field(default=8.0, gt=0)  # waiting requests a replica holds at "full"
     tokens_per_replica: float = Field(default=16384, gt=0)  # in-flight tokens a replica holds at "full"
     enter: tuple[float, float, float] = (0.8, 1.0, 1.2)  # score to rise into level 1, 2, 3

@@ -218,7 +218,8 @@ class Gateway:
         """The degradation plan for one request; feeds the policy fresh load figures first."""
         model, d = parsed.model, self.degradation
         if d.is_observation_due(model):
-            ttft = self.pool.p95_ttft(model, window_s=self.config.degradation.ttft_window_s)
+            cfg = self.config.degradation
+            ttft = self.pool.p95_ttft(model, window_s=cfg.ttft_window_s, min_samples=cfg.ttft_min_samples)
             d.observe(model, self.pool.model_load(model), ttft)
         fallback = self.config.models[model].fallback
         has_fallback = fallback is not None and bool(self.pool.version(model, fallback).routable())

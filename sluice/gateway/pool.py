@@ -139,10 +139,11 @@ class ReplicaPool:
     def record_ttft(self, model: str, seconds: float) -> None:
         self._ttft_by_model[model].append((self._clock(), seconds))
 
-    def p95_ttft(self, model: str, window_s: float = _TTFT_WINDOW_S) -> float | None:
+    def p95_ttft(self, model: str, window_s: float = _TTFT_WINDOW_S, min_samples: int = 1) -> float | None:
+        """p95 time to first byte over the last ``window_s``; None with fewer than ``min_samples``."""
         horizon = self._clock() - window_s
         samples = sorted(s for t, s in self._ttft_by_model.get(model, ()) if t >= horizon)
-        if not samples:
+        if len(samples) < max(1, min_samples):
             return None
         return samples[min(len(samples) - 1, int(0.95 * len(samples)))]
 
