@@ -169,3 +169,19 @@ def test_off_policy_never_degrades_and_config_rejects_inverted_hysteresis() -> N
         DegradationConfig(enter=(0.8, 1.0, 1.2), exit=(0.9, 0.8, 1.0))
     with pytest.raises(ValidationError, match="rise"):
         DegradationConfig(enter=(1.0, 0.8, 1.2), exit=(0.5, 0.6, 1.0))
+
+
+def test_too_few_ttft_samples_give_no_ttft_signal() -> None:
+    from sluice.gateway.pool import ReplicaPool
+    from tests.gateway.conftest import FakeClock, gateway_config
+
+    clock = FakeClock()
+    pool = ReplicaPool(gateway_config(["http://127.0.0.1:1"]), clock=clock)
+    for s in (0.1, 0.1, 9.0):
+        pool.record_ttft("m", s)
+    assert pool.p95_ttft("m", window_s=10, min_samples=5) is None, "a p95 of 3 samples is just their max"
+    for _ in range(2):
+        pool.record_ttft("m", 0.1)
+    assert pool.p95_ttft("m", window_s=10, min_samples=5) == 9.0
+    clock.advance(11)
+    assert pool.p95_ttft("m", window_s=10) is None, "samples older than the window do not count"
