@@ -125,3 +125,30 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 
             return True
         time.sleep(interval)
     return pred()
+
+
+async def until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Async ``wait_for``: polls without blocking the test's event loop."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(interval)
+    return pred()
+
+
+async def running_in(url: str, n: int, timeout: float = 20.0) -> bool:
+    """Wait until the server's engine reports ``n`` running requests."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as c:
+        while time.monotonic() < deadline:
+            text = (await c.get(url + "/metrics")).text
+            for line in text.splitlines():
+                if line.startswith("sluice_num_requests_running ") and float(line.split()[1]) >= n:
+                    return True
+            await asyncio.sleep(0.05)
+    return False

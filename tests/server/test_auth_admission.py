@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.server.conftest import scrape
+from tests.server.conftest import scrape, until
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +77,18 @@ def test_keys_never_appear_in_logs(keyed_server, caplog) -> None:
 
 async def test_full_queue_rejects_at_once_and_sheds_lowest_class_first(server_factory) -> None:
     # one running slot, slow steps: everything else waits in the queue
-    srv = server_factory(step_delay=0.02, max_num_seqs=1, max_queued_requests=2)
+    srv = server_factory(step_delay=0.05, max_num_seqs=1, max_queued_requests=2)
     async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
         async def go(priority: str, tokens: int = 40):
             return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": tokens},
                                 headers={"x-priority": priority})
 
         running = asyncio.create_task(go("p1"))
-        await asyncio.sleep(0.3)  # it starts and leaves the queue
+        assert await until(lambda: srv.state.client.num_open_requests == 1 and srv.state.admission.num_queued == 0)
         low = [asyncio.create_task(go("p2"))]
-        await asyncio.sleep(0.15)
+        assert await until(lambda: srv.state.admission.num_queued == 1)
         low.append(asyncio.create_task(go("p2")))  # the newest p2
-        await asyncio.sleep(0.15)
-        assert srv.state.admission.num_queued == 2, "two p2 requests wait"
+        assert await until(lambda: srv.state.admission.num_queued == 2), "two p2 requests wait"
         r = await go("p2", 1)
         assert r.status_code == 429, "a full queue rejects a same-class request at once"
         assert r.json()["error"]["type"] == "overloaded_error" and "retry-after" in r.headers

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import httpx
 
-from tests.server.conftest import scrape, wait_for
+from tests.server.conftest import scrape, until, wait_for
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[int, int, bool]:
@@ -70,10 +70,9 @@ async def test_disconnect_while_queued_aborts_the_request(server_factory) -> Non
     srv = server_factory(step_delay=0.02, max_num_seqs=1)
     async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
         hog = asyncio.create_task(c.post("/v1/completions", json={"prompt": "h", "max_tokens": 100}))
-        await asyncio.sleep(0.2)
+        assert await until(lambda: srv.state.client.num_open_requests == 1 and srv.state.admission.num_queued == 0)
         waiting = asyncio.create_task(c.post("/v1/completions", json={"prompt": "w", "max_tokens": 60}))
-        await asyncio.sleep(0.2)
-        assert srv.state.admission.num_queued == 1
+        assert await until(lambda: srv.state.admission.num_queued == 1)
         waiting.cancel()  # the client gives up before its first token
         for _ in range(40):
             await asyncio.sleep(0.025)

@@ -17,6 +17,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.server.conftest import running_in
+
 
 def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
@@ -70,7 +72,7 @@ async def test_sigterm_drains_in_flight_then_exits_zero(spawn) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         inflight = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "d", "max_tokens": 50}))
                     for _ in range(4)]
-        await asyncio.sleep(0.3)
+        assert await running_in(url, 4), "the 4 requests must be running before SIGTERM"
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.2)
         late = await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 1})
@@ -95,7 +97,7 @@ async def test_engine_death_fails_requests_with_503_and_exits_nonzero(spawn) -> 
                 return r.status_code, "".join([line async for line in r.aiter_lines()])
 
         streaming = asyncio.create_task(stream())
-        await asyncio.sleep(0.5)
+        assert await running_in(url, 4), "all 4 requests must be running before the kill"
         t0 = time.monotonic()
         os.kill(_engine_pid(proc.pid), signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*plain), 10)
