@@ -42,7 +42,7 @@ class EngineConfig:
     scheduling_policy: str = "wfq"  # 'fcfs' | 'priority' | 'wfq'
     attention_backend: str | None = None  # 'torch' | 'cpu_paged' | None: best available
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None: torch default
+    num_threads: int | None = None  # torch intra-op threads; None: $SLUICE_NUM_THREADS or torch default
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1:

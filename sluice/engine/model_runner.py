@@ -13,6 +13,7 @@ out ``num_new_tokens`` tokens starting at ``num_computed_tokens``:
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import psutil
@@ -35,8 +36,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_dtype(name: str | None, device: str) -> torch.dtype:
     if name is None:
-        # NOTE(cpu-dtype): float32 is the CPU default: on AVX2/AVX-512 machines
-        # without AMX, bf16 GEMMs are slower here (docs/benchmarks.md).
+        # NOTE(cpu-dtype): float32 is the CPU default although bf16 GEMMs are about
+        # 2x faster on CPUs with AVX512-BF16 (docs/benchmarks.md): bf16 results
+        # depend on the batch a request shares (GEMM blocking changes rounding),
+        # which breaks the per-request seed guarantee; fp32 keeps it.
         return torch.float32 if device == "cpu" else torch.bfloat16
     if name not in _DTYPES:
         raise InvalidRequestError(f"unsupported dtype {name!r}: use float32 or bfloat16")
@@ -52,8 +55,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = config.num_threads or int(os.environ.get("SLUICE_NUM_THREADS", "0") or 0)
+        if threads:
+            torch.set_num_threads(threads)
         if config.device == "cpu":
             # NOTE(denormals): SiLU's exp() underflows through denormals for large
             # |x|; flushing them to zero makes it ~5x faster and changes no logit.
