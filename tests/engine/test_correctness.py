@@ -81,3 +81,27 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_models: dict[str, Path
             assert diff <= 1e-3, f"prompt {i} (len {PROMPT_LENS[i]}) step {step}: max |logit diff| {diff:.2e} > 1e-3"
         assert got_tokens[i] == ref_tokens[i], f"prompt {i}: greedy tokens differ from transformers"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "blocks leaked"
+
+
+def test_bfloat16_logits_stay_close_to_float32(tiny_llama: Path) -> None:
+    prompts = _prompts(49152)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = EngineCore(model=str(tiny_llama), dtype=dtype, kv_cache_memory=4 << 20)
+        assert engine.model_info.dtype == dtype
+        engine.runner.capture_logits = True
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling=params))
+        engine.step()
+        logits[dtype] = engine.runner.last_logits
+    a, b = logits["float32"], logits["bfloat16"]
+    assert a is not None and b is not None and torch.isfinite(b).all()
+    rel = ((a - b).abs().max() / a.abs().max()).item()
+    assert rel < 0.05, f"bf16 logits drift {rel:.3f} of the logit range from fp32"
+    assert (a.argmax(-1) == b.argmax(-1)).all(), "bf16 should pick the same top token on peaked logits"
+
+
+def test_cpu_default_dtype_is_float32(tiny_llama: Path) -> None:
+    engine = EngineCore(model=str(tiny_llama), kv_cache_memory=1 << 20)
+    assert engine.model_info.dtype == "float32", "fp32 is the CPU default (batch-invariant, see model_runner)"
