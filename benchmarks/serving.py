@@ -127,6 +127,8 @@ def start_sluice(args: argparse.Namespace) -> Server:
            "--max-queued-requests", "4096"]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.num_threads:
+        cmd += ["--num-threads", str(args.num_threads)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = _wait_url(proc, r"ready in .* at (http://\S+)", 300)
@@ -239,7 +241,7 @@ async def run_level(server: Server, concurrency: int, num_requests: int, seed: i
     }
 
 
-def profile_engine_step(model: str, batch: int = 32, steps: int = 5) -> dict[str, Any]:
+def profile_engine_step(model: str, batch: int = 32, steps: int = 5, num_threads: int | None = None) -> dict[str, Any]:
     """Where one decode step's milliseconds go (in-process EngineCore, torch profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -248,7 +250,7 @@ def profile_engine_step(model: str, batch: int = 32, steps: int = 5) -> dict[str
     from sluice.engine.core import EngineCore
     from sluice.engine.protocol import EngineRequest, SamplingParams
 
-    core = EngineCore(EngineConfig(model=model, max_num_seqs=max(batch, 1)))
+    core = EngineCore(EngineConfig(model=model, max_num_seqs=max(batch, 1), num_threads=num_threads))
     sp = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
     for i, p in enumerate(make_prompts(batch, seed=123)):
         core.add_request(EngineRequest(request_id=f"p{i}", prompt_token_ids=p, sampling=sp, arrival_time=time.monotonic()))
@@ -303,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--levels", default="1,8,32,128", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--requests", type=int, default=2, help="requests per level = this x concurrency (c=1: x2, min 4)")
     ap.add_argument("--kv-cache-memory", default=None)
+    ap.add_argument("--num-threads", type=int, default=None, help="engine torch threads (sluice serve --num-threads)")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--vllm-model-dir", default=None)
@@ -313,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     results: dict[str, Any] = {"benchmark": "serving", "model": args.model, "prompt_tokens": PROMPT_TOKENS,
+                               "engine_threads": args.num_threads or "default",
                                "output_tokens": OUTPUT_TOKENS, "systems": {}}
     systems = ["fake" if args.engine == "fake" else "sluice"] + (["vllm"] if args.peer else [])
     starters = {"sluice": start_sluice, "fake": start_fake, "vllm": start_vllm}
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                           r["api_cpu_us_per_token"], r["load_avg_1m"]])
     md = markdown_table(headers, table)
     if args.profile_step:
-        prof = profile_engine_step(args.model, args.profile_step)
+        prof = profile_engine_step(args.model, args.profile_step, num_threads=args.num_threads)
         results["step_profile"] = prof
         md += (f"\n\nOne decode step at batch {prof['batch']} (in-process engine, {prof['threads']} torch threads): "
                f"{prof['decode_step_ms']:.1f} ms; prefill of {prof['batch']} x {PROMPT_TOKENS} tokens took "
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             "## Online serving (`benchmarks/serving.py`)\n\n"
             f"{machine_line()}. SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32), prompts of "
             f"{PROMPT_TOKENS} tokens, {OUTPUT_TOKENS} output tokens with `ignore_eos`, temperature 0, streamed; "
-            f"the client runs on the same 2 cores. `load avg` is the machine's 1-minute load average at the "
+            f"the client runs on the same 2 cores; engine torch threads: {args.num_threads or 'default (2)'}. `load avg` is the machine's 1-minute load average at the "
             f"end of each level: above ~2, other work shares the cores and every figure is pessimistic.\n\n"
             f"{md}\n{extra}\n",
         )

@@ -31,6 +31,7 @@ class ServerSettings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
     scheduling_policy: str = "wfq"
+    num_threads: int | None = Field(None, ge=1)  # engine torch threads; None: torch's default
     api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
     keys_file: str | None = None
     max_queued_requests: int = Field(256, ge=0)  # requests admitted but not started
@@ -80,6 +81,7 @@ class ServerSettings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             scheduling_policy=self.scheduling_policy,
+            num_threads=self.num_threads,
         )
         cfg.validate()
         return cfg
