@@ -1,1 +1,2 @@
-"""sluice.obs"""
+"""sluice.obs: metrics (Prometheus bridge), tracing (OpenTelemetry), JSON logs,
+host/hardware readers, and ``sluice doctor``."""

@@ -1,1 +1,11 @@
-"""sluice.server"""
+"""sluice.server: ``sluice serve``, the OpenAI-compatible API process.
+
+    app.py          build_app(settings, ...): routes, middleware, lifespan, state
+    serving.py      the life of a request: auth, priority, tokenize, admit, submit, finish
+    generation.py   engine outputs -> text deltas (detokenize, stop strings, aborts)
+    render.py       OpenAI response / SSE chunk shapes
+    engine_client.py / engine_proc.py / ipc.py   the engine core process over ZeroMQ
+    admission.py    bounded queue, lowest class shed first (pure)
+    runner.py       uvicorn, SIGTERM drain, exit codes;  cli.py  the ``serve`` command
+    testing.py      fake engine core + byte codec for tests
+"""
