@@ -279,7 +279,9 @@ def main() -> None:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the replica
     t_start = time.monotonic()
+    load_before = os.getloadavg()[0]
     out = asyncio.run(main_async(args))
+    load_after = os.getloadavg()[0]
     res = out["results"]
     headers = ["load", "mode", "requests (p0)", "p0 p95 TTFT (s)", "p0 SLA", "p2 shed", "goodput (req/s)", "errors"]
     rows = []
@@ -303,10 +305,13 @@ def main() -> None:
         f"SLA: TTFT <= {args.ttft_target:.2f} s (4x the lone-request TTFT of {out['lone_ttft_s']:.2f} s; a shed "
         "request misses it). Dwell times compressed to "
         "rise 0.5/3/3 s, fall 3 s.\n\n"
-        f"{table}\n\n![degradation on vs off](degradation.png)\n\n{machine_line()}\n"
+        f"{table}\n\n![degradation on vs off](degradation.png)\n\n{machine_line()}; 1-min load average "
+        f"{load_before:.1f} before, {load_after:.1f} after (the 2 cores are shared with other work: the "
+        "replica's speed moves with it, so compare off and graded within a row, not across runs).\n"
     )
     write_section("degradation", body)
     out["wall_s"] = round(time.monotonic() - t_start, 1)
+    out["load_avg"] = [round(load_before, 2), round(load_after, 2)]
     print_json_last({"benchmark": "degradation", **out})
 
 
