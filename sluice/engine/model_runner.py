@@ -77,8 +77,8 @@ class ModelRunner:
         budget = config.kv_cache_memory or int(psutil.virtual_memory().available * config.kv_cache_fraction)
         self.num_blocks = max(1, budget // per_block)
         shape = (self.num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.k_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.attention = make_attention_backend(
             config.attention_backend, config.device, self.k_caches, self.v_caches, cfg.head_dim**-0.5

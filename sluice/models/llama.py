@@ -107,12 +107,17 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
-        inv_freq = torch.tensor(cfg.rope_inv_freq(), dtype=torch.float32)
-        pos = torch.arange(max_positions, dtype=torch.float32)
+        self.max_positions = max_positions
+        self.build_rope()
+
+    def build_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the cos/sin tables, e.g. after loading onto a meta-built model."""
+        inv_freq = torch.tensor(self.cfg.rope_inv_freq(), dtype=torch.float32, device=device)
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        self.register_buffer("rope_cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("rope_cos", emb.cos().to(self.dtype), persistent=False)
+        self.register_buffer("rope_sin", emb.sin().to(self.dtype), persistent=False)
 
     @torch.inference_mode()
     def forward(

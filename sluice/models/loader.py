@@ -224,12 +224,60 @@ def load_hf_state_dict(folder: Path) -> dict[str, Any]:
 def load_model_config(source: ModelSource) -> dict[str, Any]:
     """The HF-style config dict of a model (from config.json, or from GGUF metadata)."""
     if source.kind == "gguf":
+        cached = _gguf_cache(source.path)
+        if cached is not None:
+            return cached[0]
         return gguf_hf_config(_gguf_reader(source.path), source.path)
     cfg_path = source.path / "config.json"
     try:
         return json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
+
+
+# ---------------------------------------------------------------- converted-weights cache
+#
+# NOTE(cold-start): parsing a GGUF (its 49k-entry vocabulary) and dequantizing
+# it costs seconds at every start.  The first load writes the dequantized
+# weights as safetensors plus the HF config under
+# ~/.cache/sluice/weights/<sha256 of the file>/; later loads read those
+# (memory-mapped) and never open the GGUF.  Written to a temp dir and renamed,
+# so a crash never leaves a half-written cache.
+
+
+def _weights_cache_dir(path: Path) -> Path:
+    return cache_dir() / "weights-v2" / file_digest(path)
+
+
+def _gguf_cache(path: Path) -> tuple[dict[str, Any], Path] | None:
+    d = _weights_cache_dir(path)
+    cfg, weights = d / "config.json", d / "model.safetensors"
+    if cfg.is_file() and weights.is_file():
+        try:
+            return json.loads(cfg.read_text()), weights
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _write_gguf_cache(path: Path, cfg: dict[str, Any], sd: dict[str, Any]) -> None:
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    target = _weights_cache_dir(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg))
+        if target.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except OSError:  # a read-only or full cache only costs speed
+        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
 
 
 def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_positions: int = 8192) -> Any:
@@ -239,21 +287,45 @@ def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_positio
     from sluice.models.config import ModelConfig
     from sluice.models.llama import LlamaForCausalLM
 
+    def build(raw_cfg: dict[str, Any], on: str) -> Any:
+        try:
+            cfg = ModelConfig.from_hf(raw_cfg)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ModelLoadError(f"model {source.path}: bad config: {e}") from e
+        with torch.device(on):
+            return LlamaForCausalLM(cfg, dtype=dtype, max_positions=max_positions)
+
     if source.kind == "gguf":
+        cached = _gguf_cache(source.path)
+        if cached is not None:
+            # fused, sluice-native fp32 tensors: assign them, no copy, no fusing
+            from safetensors.torch import load_file
+
+            raw_cfg, weights = cached
+            model = build(raw_cfg, "meta")
+            sd = load_file(str(weights), device=device)
+            if dtype != torch.float32:
+                sd = {k: v.to(dtype) for k, v in sd.items()}
+            try:
+                model.load_state_dict(sd, strict=True, assign=True)
+            except RuntimeError as e:
+                raise ModelLoadError(f"converted-weights cache {weights} does not match the model: {e}") from e
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model.build_rope(device)
+            return model.eval()
         reader = _gguf_reader(source.path)
         raw_cfg = gguf_hf_config(reader, source.path)
         sd = load_gguf_state_dict(reader, source.path, raw_cfg)
     else:
         raw_cfg = load_model_config(source)
         sd = load_hf_state_dict(source.path)
-    try:
-        cfg = ModelConfig.from_hf(raw_cfg)
-    except (KeyError, ValueError, TypeError) as e:
-        raise ModelLoadError(f"model {source.path}: bad config: {e}") from e
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype=dtype, max_positions=max_positions)
+    model = build(raw_cfg, device)
     try:
         model.load_hf_state_dict(sd)
     except ValueError as e:
         raise ModelLoadError(f"model {source.path}: {e}") from e
+    if source.kind == "gguf":
+        native = {k: v.float() for k, v in model.state_dict().items()}
+        _write_gguf_cache(source.path, raw_cfg, native)
     return model.eval()

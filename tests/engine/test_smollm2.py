@@ -42,3 +42,24 @@ def test_chat_answer_names_paris(llm) -> None:  # type: ignore[no-untyped-def]
     assert "Paris" in out[0].text, out[0].text
     assert out[0].finish_reason == "stop"
     assert out[0].timings is not None and out[0].timings.ttft is not None
+
+
+def test_converted_weights_cache_gives_the_same_model(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from sluice.engine.core import EngineCore
+    from sluice.engine.protocol import EngineRequest
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for _ in range(2):  # first: parse + dequantize + write cache; second: read the cache
+        eng = EngineCore(model="smollm2", kv_cache_memory=32 << 20)
+        eng.add_request(EngineRequest(request_id="a", prompt_token_ids=[1, 504, 3575, 282, 4649, 314], sampling=sp))
+        toks: list[int] = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks += o.new_token_ids
+        outs.append(toks)
+    cached = list((tmp_path / "weights-v2").glob("*/model.safetensors"))
+    assert len(cached) == 1, "the first load writes the converted weights, keyed by the file hash"
+    assert not list((tmp_path / "weights-v2").glob(".tmp-*")), "no half-written cache is left behind"
+    assert outs[0] == outs[1], "the cached weights must give the same tokens as the GGUF"
