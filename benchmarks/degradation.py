@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,7 @@ def _summarize(records: list[tuple[float, RequestRecord]], phase_s: float, targe
             "p2_shed": sum(1 for r in p2 if r.status == 429) / max(1, len(p2)),
             "goodput_rps": len(good) / phase_s,
             "num_errors": sum(1 for r in recs if not r.is_ok and r.status != 429),
+            "errors": dict(Counter(r.error[:60] for r in recs if not r.is_ok and r.status != 429).most_common(3)),
         }
     return out
 
