@@ -58,10 +58,6 @@ class ModelRunner:
         threads = config.num_threads or int(os.environ.get("SLUICE_NUM_THREADS", "0") or 0)
         if threads:
             torch.set_num_threads(threads)
-        if config.device == "cpu":
-            # NOTE(denormals): SiLU's exp() underflows through denormals for large
-            # |x|; flushing them to zero makes it ~5x faster and changes no logit.
-            torch.set_flush_denormal(True)
         t0 = time.monotonic()
         from sluice.models.loader import load_model_config
 
@@ -132,12 +128,21 @@ class ModelRunner:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Run the step; return the sampled tokens (one per sampling row, in
         scheduled order) and their logprobs."""
-        ids, pos, meta, sample_idx = self.build_metadata(sched)
-        self.attention.set_metadata(meta)
-        hidden = self.model(ids, pos, self.attention)
-        if not sample_idx:
-            return [], []
-        logits = self.model.compute_logits(hidden[sample_idx])  # (N, vocab) fp32
+        # NOTE(denormals): SiLU's exp() underflows through denormals for large |x|;
+        # flushing them to zero makes it ~5x faster and changes no logit.  The flag
+        # is process state, so it is set only while the model runs (other code in
+        # the process, e.g. hypothesis in tests, needs IEEE subnormals).
+        ftz = self.device.type == "cpu" and torch.set_flush_denormal(True)
+        try:
+            ids, pos, meta, sample_idx = self.build_metadata(sched)
+            self.attention.set_metadata(meta)
+            hidden = self.model(ids, pos, self.attention)
+            if not sample_idx:
+                return [], []
+            logits = self.model.compute_logits(hidden[sample_idx])  # (N, vocab) fp32
+        finally:
+            if ftz:
+                torch.set_flush_denormal(False)
         if self.capture_logits:
             self.last_logits = logits.clone()
         return self.sampler(logits, rows)

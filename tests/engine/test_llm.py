@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sluice import LLM, SamplingParams
 
@@ -69,3 +70,9 @@ def test_cli_generate_streams(tiny_llama: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "the completion is printed"
+
+
+def test_engine_leaves_ieee_subnormals_alone(llm: LLM) -> None:
+    llm.generate("x", SamplingParams(max_tokens=2))
+    tiny = torch.tensor([1e-40], dtype=torch.float32) * 1.0
+    assert tiny.item() != 0.0, "flush-to-zero must not leak out of the engine's forward pass"
