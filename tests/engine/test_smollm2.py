@@ -63,3 +63,14 @@ def test_converted_weights_cache_gives_the_same_model(tmp_path, monkeypatch) -> 
     assert len(cached) == 1, "the first load writes the converted weights, keyed by the file hash"
     assert not list((tmp_path / "weights-v2").glob(".tmp-*")), "no half-written cache is left behind"
     assert outs[0] == outs[1], "the cached weights must give the same tokens as the GGUF"
+
+
+def test_offline_example_runs() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "offline.py"
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout, proc.stdout
