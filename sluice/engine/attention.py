@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -199,7 +200,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 _kernel_module = None
 
 
-def load_cpu_kernel(verbose: bool = False):  # type: ignore[no-untyped-def]
+def load_cpu_kernel(verbose: bool = False) -> Any:
     """Compile (first time only; cached under ~/.cache/torch_extensions) and return the kernel module."""
     global _kernel_module  # NOTE(cache): a compiled extension is process-wide by nature
     if _kernel_module is None:

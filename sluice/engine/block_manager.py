@@ -106,11 +106,15 @@ class BlockManager:
         self.ref_counts[b] += 1
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        """Whether ``allocate(req, num_new_tokens, cached)`` would succeed."""
         if cached:
-            need -= len(cached)
+            # the prefix blocks count as computed: the new tokens come after them
+            total = len(cached) * self.block_size + num_new_tokens
+            need = self.blocks_needed(total) - len(cached)
             # cached blocks nobody holds sit in the free list: taking them uses free slots
             need += sum(1 for b in cached if self.ref_counts[b] == 0)
+        else:
+            need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
         return need <= len(self.free)
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:

@@ -154,7 +154,7 @@ class LLM:
             return [prompts]
         if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]  # type: ignore[arg-type]
-        out = list(prompts)  # type: ignore[arg-type]
+        out: list[Prompt] = list(prompts)  # type: ignore[arg-type]
         if not out:
             raise InvalidRequestError("no prompts given", param="prompt")
         for p in out:

@@ -146,9 +146,10 @@ class Scheduler:
 
         # 4: admit waiting requests
         while budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting.peek()
-            if req is None or req in out.preempted:
+            head = self.waiting.peek()
+            if head is None or head in out.preempted:
                 break  # NOTE(thrash): a request preempted this step waits for the next one
+            req = head
             cached: list[int] = []
             if req.num_computed_tokens == 0 and not req.block_ids:
                 cached = bm.lookup_prefix(req)

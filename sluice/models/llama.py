@@ -16,7 +16,7 @@ one ``gate_up`` matrix, so a layer runs 4 GEMMs over the whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    rope_cos: torch.Tensor  # (max_positions, head_dim), buffer
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int = 8192):
         super().__init__()
         self.cfg = cfg
@@ -162,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
             if head is None:  # some checkpoints tie without saying so
                 head = sd.get("model.embed_tokens.weight")
             put(self.lm_head, head, "lm_head.weight")
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
             pre = f"model.layers.{i}."
             put(layer.input_norm, take(pre + "input_layernorm.weight"), pre + "input_layernorm.weight")
             put(layer.post_attn_norm, take(pre + "post_attention_layernorm.weight"), pre + "post_attention_layernorm.weight")

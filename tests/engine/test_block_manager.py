@@ -28,7 +28,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(ops=ops, num_blocks=st.integers(4, 40), caching=st.booleans())
 def test_random_operations_never_leak_or_double_free(ops: list[tuple[str, int, int]], num_blocks: int, caching: bool) -> None:
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
@@ -107,3 +107,21 @@ def test_whole_prompt_never_taken_from_cache() -> None:
     bm.cache_full_blocks(a)
     b = _req(2, list(range(32)))
     assert len(bm.lookup_prefix(b)) == 1, "the last token must be computed to get logits"
+
+
+def test_prefix_hit_capacity_check_counts_blocks_after_the_prefix() -> None:
+    # regression (found by the property test): with one cached block held by another
+    # request and no free block, a 28-token request that hits a 16-token prefix still
+    # needs one new block, so it must not be admitted
+    bm = BlockManager(2, BS)
+    a = _req(1, list(range(16)) + [900])
+    assert bm.allocate(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a)
+    assert bm.num_free_blocks == 0
+    c = _req(2, list(range(16)) + list(range(500, 512)))
+    cached = bm.lookup_prefix(c)
+    assert cached == a.block_ids[:1]
+    assert not bm.can_allocate(c, c.num_tokens - BS, cached)
+    assert not bm.allocate(c, c.num_tokens - BS, cached), "allocation must fail cleanly, not raise"
+    bm.check_invariants()
