@@ -122,11 +122,12 @@ _KERNEL_SRC = r"""
 
 // Paged attention for a flattened batch, reading K/V in place from the blocks.
 // q: (T, H, D); k_cache/v_cache: (NB, BS, Hkv, D); block_tables: (S, MB) int32;
-// query_start_loc: (S+1) int32; seq_lens: (S) int32.  Out: (T, H, D).
+// query_start_loc: (S+1) int32; seq_lens: (S) int32; skip: (S) uint8, sequences
+// whose rows the caller fills itself (left untouched here).  Out: (T, H, D).
 template <typename scalar_t>
 static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                 const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
-                double scale, torch::Tensor& out) {
+                const torch::Tensor& skip, double scale, torch::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = kc.size(1), Hkv = kc.size(2), MB = bt.size(1), S = sl.size(0);
   const int64_t group = H / Hkv;
@@ -136,6 +137,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Te
   const int32_t* btp = bt.data_ptr<int32_t>();
   const int32_t* qslp = qsl.data_ptr<int32_t>();
   const int32_t* slp = sl.data_ptr<int32_t>();
+  const uint8_t* skp = skip.data_ptr<uint8_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   std::vector<int32_t> seq_of(T);
   for (int64_t s = 0; s < S; ++s)
@@ -146,6 +148,7 @@ static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Te
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / H, h = item % H, hk = h / group;
       const int32_t s = seq_of[t];
+      if (skp[s]) continue;
       const int64_t ql = qslp[s + 1] - qslp[s];
       const int64_t n_keys = slp[s] - ql + (t - qslp[s]) + 1;  // causal
       const scalar_t* qrow = qp + (t * H + h) * D;
@@ -186,12 +189,13 @@ static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Te
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start_loc,
-                              torch::Tensor seq_lens, double scale) {
+                              torch::Tensor seq_lens, torch::Tensor skip, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
+  TORCH_CHECK(skip.dtype() == torch::kUInt8 && skip.numel() == seq_lens.numel(), "skip: uint8, one per sequence");
   auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat) run<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
-  else if (q.scalar_type() == torch::kBFloat16) run<c10::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+  if (q.scalar_type() == torch::kFloat) run<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, skip, scale, out);
+  else if (q.scalar_type() == torch::kBFloat16) run<c10::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, skip, scale, out);
   else TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
   return out;
 }
@@ -210,7 +214,7 @@ def load_cpu_kernel(verbose: bool = False) -> Any:
         if os.environ.get("SLUICE_KERNEL_NATIVE", "1") == "1":
             flags.append("-march=native")
         _kernel_module = load_inline(
-            name="sluice_paged_attention_v1",
+            name="sluice_paged_attention_v3",
             cpp_sources=_KERNEL_SRC,
             functions=["paged_attention"],
             extra_cflags=flags,
@@ -229,22 +233,19 @@ class CpuPagedAttention(AttentionBackend):
 
     def set_metadata(self, meta: AttentionMetadata) -> None:
         super().set_metadata(meta)
-        # sequences whose whole context is new this step: plain causal SDPA, no cache read
+        # sequences whose whole context is new this step: plain causal SDPA on the
+        # fresh K/V, and the kernel skips them (no cache read, no discarded work)
         self._fresh = [meta.q_len(i) == meta.seq_lens[i] and meta.q_len(i) > 1 for i in range(meta.num_seqs)]
-        self._all_paged = not any(self._fresh)
+        self._skip = torch.tensor(self._fresh, dtype=torch.uint8)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         assert meta is not None
         self._write(layer, k, v)
         kc, vc = self.k_caches[layer], self.v_caches[layer]
-        if self._all_paged:
-            return self.kernel.paged_attention(
-                q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self.scale
-            )
         out = self.kernel.paged_attention(
-            q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self.scale
-        ) if not all(self._fresh) else torch.empty_like(q)
+            q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale
+        )
         for i, fresh in enumerate(self._fresh):
             if fresh:
                 s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
