@@ -59,12 +59,8 @@ class ModelRunner:
         if threads:
             torch.set_num_threads(threads)
         t0 = time.monotonic()
-        from sluice.models.loader import load_model_config
-
-        raw = load_model_config(source)
-        ctx = int(raw.get("max_position_embeddings") or 2048)
-        self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx) if config.max_model_len else min(ctx, 8192)
-        self.model = load_model(source, self.dtype, config.device, max_positions=self.max_model_len)
+        self.model = load_model(source, self.dtype, config.device, max_model_len=config.max_model_len)
+        self.max_model_len: int = self.model.max_positions
         cfg = self.model.cfg
         self.model_config = cfg
         log.info("loaded %s in %.1fs", source.path, time.monotonic() - t0)

@@ -11,6 +11,7 @@ what is wrong.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -73,7 +74,17 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def file_digest(path: Path) -> str:
-    """SHA-256 of a file (first 16 hex chars), used to key caches of converted artefacts."""
+    """SHA-256 of a file (first 16 hex chars), used to key caches of converted artefacts.
+
+    Memoised per (path, size, mtime): one start-up asks for it several times
+    (config, weights, tokenizer) and hashing a model file is not free.
+    """
+    st = path.stat()
+    return _digest(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -280,8 +291,12 @@ def _write_gguf_cache(path: Path, cfg: dict[str, Any], sd: dict[str, Any]) -> No
         shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
 
 
-def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_positions: int = 8192) -> Any:
-    """Build a ``LlamaForCausalLM`` with the weights of ``source`` in ``dtype`` on ``device``."""
+def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_model_len: int | None = None) -> Any:
+    """Build a ``LlamaForCausalLM`` with the weights of ``source`` in ``dtype`` on ``device``.
+
+    Its ``max_positions`` (the context window the engine enforces) is ``max_model_len``
+    capped at the model's context, or by default the model's context capped at 8192.
+    """
     import torch
 
     from sluice.models.config import ModelConfig
@@ -292,8 +307,10 @@ def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_positio
             cfg = ModelConfig.from_hf(raw_cfg)
         except (KeyError, ValueError, TypeError) as e:
             raise ModelLoadError(f"model {source.path}: bad config: {e}") from e
+        ctx = cfg.max_position_embeddings
+        positions = min(max_model_len, ctx) if max_model_len else min(ctx, 8192)
         with torch.device(on):
-            return LlamaForCausalLM(cfg, dtype=dtype, max_positions=max_positions)
+            return LlamaForCausalLM(cfg, dtype=dtype, max_positions=positions)
 
     if source.kind == "gguf":
         cached = _gguf_cache(source.path)
