@@ -1,0 +1,1 @@
+"""sluice.models.quant"""
