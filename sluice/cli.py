@@ -40,13 +40,13 @@ _register_all()
 
 
 def main() -> None:
-    from sluice.errors import SluiceError
+    from sluice.errors import ConfigError, SluiceError
 
     try:
         app()
     except SluiceError as e:  # one readable line, no traceback
         print(f"sluice: error: {e.message}", file=sys.stderr)
-        sys.exit(2 if e.status_code < 500 else 1)
+        sys.exit(2 if isinstance(e, ConfigError) or e.status_code < 500 else 1)
 
 
 if __name__ == "__main__":

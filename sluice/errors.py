@@ -1,16 +1,23 @@
 """sluice's error tree (torch-free).  HTTP layers map it to OpenAI-shaped errors
-in one place (``status_code`` / ``error_type`` below).
+in one place (``sluice.http_errors.error_response``, using ``status_code`` /
+``error_type`` below); the engine core sends it across the process boundary as
+``engine.protocol.EngineError`` and ``from_parts`` rebuilds it.
 
-    SluiceError
+    SluiceError                     500  internal error
      ├── InvalidRequestError        400  bad input: sampling values, prompt too long, ...
-     │    └── ContextLengthError    400  prompt (+ max_tokens) exceeds the context window
-     ├── ModelNotFoundError         404  unknown model name / path
+     │    ├── ContextLengthError    400  prompt (+ max_tokens) exceeds the context window
+     │    └── PayloadTooLargeError  413  request body over the configured limit
+     ├── NotFoundError              404  no such route
+     │    └── ModelNotFoundError    404  unknown model name / path
+     ├── MethodNotAllowedError      405  route exists, method does not
+     ├── ConfigError                500  a bad setting (flag, SLUICE_* variable, config file);
+     │                                   the CLI prints it as one line and exits 2
      ├── ModelLoadError             500  a model file exists but cannot be read (corrupt GGUF, ...)
      ├── AuthenticationError        401
      ├── RateLimitError             429  (carries retry_after seconds)
      ├── OverloadedError            429  admission control: queue full
-     ├── ServiceUnavailableError    503  draining, engine dead, no healthy replica
-     └── EngineDeadError            503  the engine core process is gone
+     └── ServiceUnavailableError    503  draining, engine dead, no healthy replica
+          └── EngineDeadError       503  the engine core process is gone
 """
 
 from __future__ import annotations
@@ -19,13 +26,18 @@ __all__ = [
     "SluiceError",
     "InvalidRequestError",
     "ContextLengthError",
+    "PayloadTooLargeError",
+    "NotFoundError",
     "ModelNotFoundError",
+    "MethodNotAllowedError",
+    "ConfigError",
     "ModelLoadError",
     "AuthenticationError",
     "RateLimitError",
     "OverloadedError",
     "ServiceUnavailableError",
     "EngineDeadError",
+    "from_parts",
 ]
 
 
@@ -60,12 +72,39 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
-class ModelNotFoundError(SluiceError, FileNotFoundError):
+class PayloadTooLargeError(InvalidRequestError):
+    status_code = 413
+
+    def __init__(self, limit: int, *, setting: str = "--max-request-bytes"):
+        super().__init__(
+            f"request body is larger than the limit of {limit} bytes ({setting})", code="request_too_large"
+        )
+
+
+class NotFoundError(SluiceError):
     status_code = 404
     error_type = "not_found_error"
 
+
+class ModelNotFoundError(NotFoundError, FileNotFoundError):
     def __init__(self, message: str, *, param: str | None = "model"):
         super().__init__(message, param=param, code="model_not_found")
+
+
+class MethodNotAllowedError(SluiceError):
+    status_code = 405
+    error_type = "invalid_request_error"
+
+
+class ConfigError(SluiceError, ValueError):
+    """A bad setting.  ``setting`` is the field name (``max_num_seqs``) when one is
+    to blame; the settings layer rewrites the message to name its flag."""
+
+    error_type = "configuration_error"
+
+    def __init__(self, message: str, *, setting: str | None = None):
+        super().__init__(message, param=setting, code="invalid_setting")
+        self.setting = setting
 
 
 class ModelLoadError(SluiceError):
@@ -101,3 +140,29 @@ class ServiceUnavailableError(_RetryAfter):
 
 class EngineDeadError(ServiceUnavailableError):
     pass
+
+
+def from_parts(
+    error_type: str,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    retry_after: float | None = None,
+) -> SluiceError:
+    """Rebuild an error from its wire form (``EngineError``): the most specific
+    class the type and code name, with the same message, param and code."""
+    if code == "context_length_exceeded":
+        return ContextLengthError(message, param=param)
+    if error_type == ModelNotFoundError.error_type and code == "model_not_found":
+        return ModelNotFoundError(message, param=param)
+    retrying: dict[str, type[_RetryAfter]] = {
+        c.error_type: c for c in (RateLimitError, OverloadedError, ServiceUnavailableError)
+    }
+    if error_type in retrying:
+        return retrying[error_type](message, retry_after=1.0 if retry_after is None else retry_after, code=code)
+    plain: dict[str, type[SluiceError]] = {
+        c.error_type: c
+        for c in (InvalidRequestError, NotFoundError, AuthenticationError, ModelLoadError, SluiceError)
+    }
+    return plain.get(error_type, SluiceError)(message, param=param, code=code)

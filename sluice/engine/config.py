@@ -1,18 +1,54 @@
-"""Engine configuration (one dataclass; the server's pydantic settings fill it)."""
+"""Engine configuration: ``EngineConfig``, the one definition of every engine option.
+
+Each field is a setting (``sluice.settings``): its ``setting(...)`` metadata
+holds the help text, and from the field alone come
+
+    the flag          --max-num-seqs             (``sluice serve``, ``sluice generate``)
+    the variable      SLUICE_MAX_NUM_SEQS
+    the file key      max_num_seqs:              (``sluice serve --config FILE.yaml``)
+    the LLM argument  LLM("smollm2", max_num_seqs=8)
+
+To add an engine option, add one field here with ``metadata=setting("help")``
+(``choices=`` for a closed set of names, ``parse=`` for a unit-bearing string)
+and its range check in ``validate``; nothing else needs to change.  A bad value
+raises ``ConfigError`` naming the field; the CLI rewrites it to name the flag.
+"""
 
 from __future__ import annotations
 
+import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sluice.errors import InvalidRequestError
+from sluice.errors import ConfigError
+from sluice.settings import setting
 
-__all__ = ["EngineConfig", "ModelInfo", "parse_bytes", "BLOCK_SIZE"]
+__all__ = [
+    "EngineConfig",
+    "ModelInfo",
+    "SchedulingPolicy",
+    "ATTENTION_BACKENDS",
+    "DTYPES",
+    "parse_bytes",
+    "BLOCK_SIZE",
+]
 
 BLOCK_SIZE = 16  # tokens per KV block (DESIGN.md)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+class SchedulingPolicy(str, enum.Enum):
+    """Waiting-queue orders (``engine.request_queue``); values match ``--scheduling-policy``."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    WFQ = "wfq"
+
+
+ATTENTION_BACKENDS = ("torch", "cpu_paged")  # ``engine.attention.make_attention_backend`` names
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def parse_bytes(value: str | int | float) -> int:
@@ -22,41 +58,62 @@ def parse_bytes(value: str | int | float) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise InvalidRequestError(f"invalid byte size {value!r}: expected e.g. 2GiB, 512MB, 1000000")
+            raise ConfigError(f"invalid byte size {value!r}: expected e.g. 2GiB, 512MB, 1000000")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise InvalidRequestError(f"byte size must be > 0, got {value!r}")
+        raise ConfigError(f"byte size must be > 0, got {value!r}")
     return n
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2"  # HF directory, .gguf file, or the alias 'smollm2'
-    dtype: str | None = None  # 'float32' | 'bfloat16'; None: the device's default
-    device: str = "cpu"
-    kv_cache_memory: int | None = None  # bytes for K+V of all layers; None: fraction of free memory
-    kv_cache_fraction: float = 0.05  # of currently free memory, when kv_cache_memory is None
-    max_model_len: int | None = None  # None: the model's context length (capped at 8192)
-    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
-    max_num_seqs: int = 64  # running sequences cap
-    scheduling_policy: str = "wfq"  # 'fcfs' | 'priority' | 'wfq'
-    attention_backend: str | None = None  # 'torch' | 'cpu_paged' | None: best available
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None: $SLUICE_NUM_THREADS or torch default
+    model: str = field(default="smollm2", metadata=setting(
+        "HF directory, .gguf file, or the alias 'smollm2'.", flags=["-m"]))
+    dtype: str | None = field(default=None, metadata=setting(
+        "Weights and activations dtype (default: float32 on CPU, bfloat16 on GPU).", choices=DTYPES))
+    device: str = field(default="cpu", metadata=setting("torch device: cpu, cuda, cuda:1, ..."))
+    kv_cache_memory: int | None = field(default=None, metadata=setting(
+        "KV cache budget for K+V of all layers, e.g. 2GiB (default: --kv-cache-fraction of free memory).",
+        parse=parse_bytes))
+    kv_cache_fraction: float = field(default=0.05, metadata=setting(
+        "Share of free memory for the KV cache when --kv-cache-memory is not given, in (0, 0.9]."))
+    max_model_len: int | None = field(default=None, metadata=setting(
+        "Context window, prompt + output (default: the model's, capped at 8192)."))
+    max_num_batched_tokens: int = field(default=512, metadata=setting(
+        "Token budget of one engine step (prefill chunks + decodes)."))
+    max_num_seqs: int = field(default=64, metadata=setting("Running sequences cap."))
+    scheduling_policy: str = field(default="wfq", metadata=setting(
+        "Order of the waiting queue: fcfs, strict priority, or weighted fair queuing by class.",
+        choices=[p.value for p in SchedulingPolicy]))
+    attention_backend: str | None = field(default=None, metadata=setting(
+        "Attention kernel (default: the best available, see `sluice doctor`).", choices=ATTENTION_BACKENDS))
+    enable_prefix_caching: bool = field(default=True, metadata=setting(
+        "Reuse the KV blocks of shared prompt prefixes."))
+    num_threads: int | None = field(default=None, metadata=setting(
+        "Engine torch intra-op threads (default: torch's, one per core)."))
 
     def validate(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise InvalidRequestError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_seqs must be >= 1")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise InvalidRequestError(f"unsupported dtype {self.dtype!r}: use float32 or bfloat16")
-        if self.scheduling_policy not in ("fcfs", "priority", "wfq"):
-            raise InvalidRequestError(
-                f"unknown scheduling policy {self.scheduling_policy!r}: use fcfs, priority or wfq"
-            )
+        """Range and name checks; ``ConfigError`` naming the field (``.setting``)."""
+
+        def bad(name: str, reason: str) -> ConfigError:
+            return ConfigError(f"{name}: {reason}", setting=name)
+
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad(name, f"must be >= 1, got {value}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise bad("kv_cache_memory", f"must be > 0, got {self.kv_cache_memory}")
         if not (0.0 < self.kv_cache_fraction <= 0.9):
-            raise InvalidRequestError("kv_cache_fraction must be in (0, 0.9]")
+            raise bad("kv_cache_fraction", f"must be in (0, 0.9], got {self.kv_cache_fraction}")
+        if self.dtype not in (None, *DTYPES):
+            raise bad("dtype", f"unsupported dtype {self.dtype!r}: use {', '.join(DTYPES)}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise bad("attention_backend",
+                      f"unknown backend {self.attention_backend!r}: use {', '.join(ATTENTION_BACKENDS)}")  # fmt: skip
+        if self.scheduling_policy not in {p.value for p in SchedulingPolicy}:
+            names = ", ".join(p.value for p in SchedulingPolicy)
+            raise bad("scheduling_policy", f"unknown policy {self.scheduling_policy!r}: use {names}")
 
 
 @dataclass(frozen=True)

@@ -26,50 +26,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sluice.gateway.config import AutoscaleConfig, DegradationConfig, ReplicaConfig
+from sluice.gateway.degradation import Pressure, pressure
+from sluice.gateway.launchers.base import LaunchedReplica, Launcher, ReplicaSpec
+from sluice.gateway.pool import ReplicaPool
+from sluice.gateway.replica import Replica
 
-from sluice.gateway.degradation import DegradationConfig, Pressure, pressure
-from sluice.gateway.launchers.base import LaunchedReplica, Launcher, LauncherConfig, ReplicaSpec
-
-if TYPE_CHECKING:  # NOTE(import-cycle): config.py imports this module's config class
-    from sluice.gateway.pool import ReplicaPool
-    from sluice.gateway.replica import Replica
-
-__all__ = ["AutoscaleConfig", "ScaleState", "ScaleDecision", "decide", "Autoscaler"]
+__all__ = ["ScaleState", "ScaleDecision", "decide", "Autoscaler"]
 
 log = logging.getLogger("sluice.gateway.autoscale")
-
-
-class AutoscaleConfig(BaseModel):
-    """Per model (``models.<name>.autoscale``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    version: str | None = None  # version the launched replicas serve (default: the first)
-    model_path: str  # ``sluice serve --model`` for launched replicas
-    served_model_name: str | None = None
-    serve_args: list[str] = Field(default_factory=list)  # more ``sluice serve`` flags
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
-    high_water: float = Field(default=0.85, gt=0)  # load score above which to scale up
-    low_water: float = Field(default=0.3, ge=0)  # load score below which to scale down
-    max_step: int = Field(default=1, ge=1)  # replicas added per decision at most
-    up_cooldown_s: float = Field(default=180.0, ge=0)  # after a scale-up, before the next one
-    down_cooldown_s: float = Field(default=600.0, ge=0)  # low load this long (and since any change)
-    interval_s: float = Field(default=5.0, gt=0)  # decision period
-    drain_timeout_s: float = Field(default=120.0, gt=0)  # in-flight requests get this long to finish
-    replica_capacity: int = Field(default=64, gt=0)  # ``capacity`` of launched replicas in the pool
-    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
-
-    @model_validator(mode="after")
-    def _check(self) -> AutoscaleConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"autoscale min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        if self.low_water >= self.high_water:
-            raise ValueError(f"autoscale low_water ({self.low_water}) must be below high_water ({self.high_water})")
-        return self
 
 
 @dataclass(frozen=True)
@@ -207,8 +173,6 @@ class Autoscaler:
         return out
 
     async def scale_up(self, model: str, count: int) -> list[Replica]:
-        from sluice.gateway.config import ReplicaConfig
-
         m = self._models[model]
         c = m.config
         spec = ReplicaSpec(model, m.version, c.model_path, c.served_model_name, tuple(c.serve_args))
@@ -246,8 +210,6 @@ class Autoscaler:
     def adopt(self, model: str, launched: LaunchedReplica) -> Replica:
         """Manage a replica its launcher already runs (found by ``discover``, or
         started before the gateway); it joins the pool unless already there."""
-        from sluice.gateway.config import ReplicaConfig
-
         m = self._models[model]
         version = self.pool.version(model, m.version)
         replica = next((r for r in version.replicas if r.url == launched.url), None)

@@ -1,7 +1,8 @@
 """Gateway configuration: models -> versions -> replicas, plus policy knobs.
 
 This is the gateway's one settings object (pydantic, validated at the edge),
-read from YAML and overridden by ``sluice gateway`` flags / ``SLUICE_*`` env::
+read from YAML, then ``SLUICE_*`` variables, then ``sluice gateway`` flags
+(``sluice.settings``; the fields with a description are flags)::
 
     policy: prefix_affinity          # round_robin | least_load | weighted | prefix_affinity
     scrape_interval: 1.0             # seconds between /metrics scrapes
@@ -17,22 +18,22 @@ read from YAML and overridden by ``sluice gateway`` flags / ``SLUICE_*`` env::
             share: 10
             replicas: [http://127.0.0.1:8003]
 
+The config types of every gateway module live here (autoscale, degradation,
+rollout, launchers): policy modules import this module, never the reverse.
 Everything below the edge reads these objects; nothing mutates them.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sluice.errors import InvalidRequestError
-from sluice.gateway.autoscale import AutoscaleConfig
-from sluice.gateway.degradation import DegradationConfig
-from sluice.gateway.rollout import RolloutConfig
+from sluice.settings import Option, options_from_model, read_yaml, resolve
 
 __all__ = [
     "PolicyName",
@@ -46,9 +47,13 @@ __all__ = [
     "WeightedConfig",
     "PrefixAffinityConfig",
     "GatewayConfig",
+    "LauncherName",
+    "LauncherConfig",
+    "AutoscaleConfig",
+    "DegradationPolicyName",
     "DegradationConfig",
     "RolloutConfig",
-    "AutoscaleConfig",
+    "gateway_options",
     "load_config",
 ]
 
@@ -64,6 +69,102 @@ class PolicyName(str, enum.Enum):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LauncherName(str, enum.Enum):
+    """Values match the config's ``autoscale.launcher.kind``."""
+
+    LOCAL = "local"
+    RAY = "ray"
+
+
+class LauncherConfig(_Strict):
+    kind: LauncherName = LauncherName.LOCAL
+    host: str | None = None  # replicas' bind address; None: 127.0.0.1 (local), the Ray node's IP (ray)
+    cpus_per_replica: float = Field(default=1, gt=0)  # cores pinned (local) / Ray num_cpus (ray)
+    ready_timeout_s: float = Field(default=180.0, gt=0)  # launch -> /health 200
+    stop_timeout_s: float = Field(default=30.0, gt=0)  # SIGTERM -> SIGKILL
+    restart_backoff_s: float = Field(default=1.0, gt=0)  # first restart delay after a crash (local)
+    max_restart_backoff_s: float = Field(default=30.0, gt=0)  # the delay doubles up to this
+    stable_after_s: float = Field(default=60.0, gt=0)  # up this long: the backoff resets
+    ray_address: str | None = None  # None: the running Ray, or a local one (ray.init())
+    ray_namespace: str = "sluice"
+
+
+class AutoscaleConfig(_Strict):
+    """Per model (``models.<name>.autoscale``)."""
+
+    version: str | None = None  # version the launched replicas serve (default: the first)
+    model_path: str  # ``sluice serve --model`` for launched replicas
+    served_model_name: str | None = None
+    serve_args: list[str] = Field(default_factory=list)  # more ``sluice serve`` flags
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    high_water: float = Field(default=0.85, gt=0)  # load score above which to scale up
+    low_water: float = Field(default=0.3, ge=0)  # load score below which to scale down
+    max_step: int = Field(default=1, ge=1)  # replicas added per decision at most
+    up_cooldown_s: float = Field(default=180.0, ge=0)  # after a scale-up, before the next one
+    down_cooldown_s: float = Field(default=600.0, ge=0)  # low load this long (and since any change)
+    interval_s: float = Field(default=5.0, gt=0)  # decision period
+    drain_timeout_s: float = Field(default=120.0, gt=0)  # in-flight requests get this long to finish
+    replica_capacity: int = Field(default=64, gt=0)  # ``capacity`` of launched replicas in the pool
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscale min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.low_water >= self.high_water:
+            raise ValueError(f"autoscale low_water ({self.low_water}) must be below high_water ({self.high_water})")
+        return self
+
+
+class DegradationPolicyName(str, enum.Enum):
+    """Values match the config's ``degradation.policy``."""
+
+    GRADED = "graded"
+    OFF = "off"
+
+
+class DegradationConfig(_Strict):
+    policy: DegradationPolicyName = DegradationPolicyName.GRADED
+    ttft_target_s: float = Field(default=2.0, gt=0)  # the contract's p95 time to first token
+    ttft_window_s: float = Field(default=10.0, gt=0)  # p95 TTFT over this recent window
+    ttft_min_samples: int = Field(default=5, ge=1)  # fewer TTFTs in the window: no TTFT signal (p95 = max)
+    queue_per_replica: float = Field(default=8.0, gt=0)  # waiting requests a replica holds at "full"
+    tokens_per_replica: float = Field(default=16384, gt=0)  # in-flight tokens a replica holds at "full"
+    enter: tuple[float, float, float] = (0.8, 1.0, 1.2)  # score to rise into level 1, 2, 3
+    exit: tuple[float, float, float] = (0.6, 0.8, 1.0)  # score below which level 1, 2, 3 is left
+    rise_s: tuple[float, float, float] = (1.0, 15.0, 15.0)  # how long above enter[k] before rising
+    fall_s: float = Field(default=10.0, ge=0)  # how long below exit[k] before falling one level
+    shed_p1_score: float = Field(default=1.5, gt=0)  # at level 3, p1 is shed from this score up
+    shed_p0_score: float = Field(default=2.0, gt=0)  # ... and p0 from this one, if no p1/p2 is left
+    min_max_tokens: int = Field(default=16, ge=1)  # level 1 never caps below this
+    max_cut: float = Field(default=0.8, ge=0, lt=1)  # level 1 cuts at most this share of max_tokens
+    retry_after_s: float = Field(default=2.0, gt=0)  # Retry-After on a shed request
+    eval_interval_s: float = Field(default=0.25, gt=0)  # re-read the load at most this often
+
+    @model_validator(mode="after")
+    def _check(self) -> DegradationConfig:
+        if list(self.enter) != sorted(self.enter):
+            raise ValueError(f"degradation.enter must rise with the level, got {list(self.enter)}")
+        for k, (lo, hi) in enumerate(zip(self.exit, self.enter, strict=True)):
+            if lo >= hi:
+                raise ValueError(f"degradation.exit[{k}] ({lo}) must be below enter[{k}] ({hi}) (hysteresis)")
+        if any(s < 0 for s in self.rise_s):
+            raise ValueError("degradation.rise_s must be >= 0")
+        return self
+
+
+class RolloutConfig(_Strict):
+    auto_rollback: bool = True
+    window_s: float = Field(default=60.0, gt=0)  # sliding window of attempts compared
+    min_requests: int = Field(default=10, ge=1)  # canary attempts in the window before judging
+    max_5xx_rate: float = Field(default=0.05, ge=0, le=1)
+    max_p99_s: float = Field(default=2.0, gt=0)  # p99 time to first byte
+    max_success_drop: float = Field(default=0.10, ge=0, le=1)  # success rate vs the stable one
+    judge_interval_s: float = Field(default=0.2, ge=0)  # judge a canary at most this often
+    max_events: int = Field(default=100, ge=1)  # events kept for /admin/rollout
 
 
 class ReplicaConfig(_Strict):
@@ -178,15 +279,18 @@ class PrefixAffinityConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(default=9000, ge=0, le=65535)
-    policy: PolicyName = PolicyName.PREFIX_AFFINITY
-    scrape_interval: float = Field(default=1.0, gt=0)
-    api_keys: list[str] = Field(default_factory=list)
-    keys_file: str | None = None
+    # NOTE(flags): a field with a description is also a flag and a SLUICE_* variable
+    # (``sluice.settings``); the rest are set in the YAML file only.
+    host: str = Field(default="127.0.0.1", description="Bind address.")
+    port: int = Field(default=9000, ge=0, le=65535, description="Bind port.")
+    policy: PolicyName = Field(default=PolicyName.PREFIX_AFFINITY, description="Routing policy.")
+    scrape_interval: float = Field(default=1.0, gt=0, description="Seconds between replica /metrics scrapes.")
+    api_keys: list[str] = Field(default_factory=list, description="Accepted API key (repeatable).",
+                                json_schema_extra={"flags": ["--api-key"], "envvars": ["SLUICE_API_KEY"]})  # fmt: skip
+    keys_file: str | None = Field(default=None, description="Keys file (tiers, rate limits, admin keys).")
     seed: int | None = None  # rng seed for policies and version picks (tests)
     max_request_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies get 413
-    otlp_endpoint: str | None = None  # OTLP/HTTP collector for the gateway's spans; None: off
+    otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP collector URL for traces (default: off).")
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
@@ -204,30 +308,27 @@ class GatewayConfig(_Strict):
         return self
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
-    """Read a YAML config (optional) and apply overrides (``None`` values are ignored).
+def gateway_options() -> list[Option]:
+    """The settings that are also ``sluice gateway`` flags and ``SLUICE_*`` variables."""
+    return options_from_model(GatewayConfig)
 
-    Raises ``InvalidRequestError`` with one readable line for any problem.
+
+_NO_ENV: Mapping[str, str] = MappingProxyType({})
+
+
+def load_config(
+    path: str | Path | None = None, *, environ: Mapping[str, str] = _NO_ENV, **overrides: Any
+) -> GatewayConfig:
+    """Read a YAML config (optional), then ``environ``'s ``SLUICE_*`` variables
+    (none unless given: pass ``os.environ``), then ``overrides`` (``None`` values
+    are not given) -- ``sluice.settings``' precedence.
+
+    Raises ``ConfigError`` with one readable line for any problem.
     """
     data: dict[str, Any] = {}
     if path:
-        p = Path(path)
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except OSError as e:
-            raise InvalidRequestError(f"cannot read gateway config {p}: {e.strerror or e}") from e
-        except yaml.YAMLError as e:
-            raise InvalidRequestError(f"gateway config {p} is not valid YAML: {e}") from e
-        if not isinstance(raw, dict):
-            raise InvalidRequestError(f"gateway config {p}: expected a mapping at the top level")
-        data.update(raw)
+        data = read_yaml(path, "gateway config")
         if data.get("keys_file") and not Path(data["keys_file"]).is_absolute():
-            data["keys_file"] = str(p.parent / data["keys_file"])
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return GatewayConfig.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "config"
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise InvalidRequestError(f"invalid gateway config: {where}: {first['msg']}{more}") from e
+            data["keys_file"] = str(Path(path).parent / data["keys_file"])
+    r = resolve(gateway_options(), overrides, environ=environ, file_values=data, file_name=str(path or ""))
+    return r.build(GatewayConfig.model_validate)

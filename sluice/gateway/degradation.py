@@ -30,19 +30,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from sluice.gateway.config import DegradationConfig, DegradationPolicyName
+from sluice.gateway.pool import ModelLoad
 from sluice.types import Priority
-
-if TYPE_CHECKING:  # NOTE(import-cycle): config.py imports this module's config class
-    from sluice.gateway.pool import ModelLoad
 
 __all__ = [
     "DegradationLevel",
-    "DegradationPolicyName",
-    "DegradationConfig",
     "Pressure",
     "LevelState",
     "LevelChange",
@@ -65,45 +59,6 @@ class DegradationLevel(enum.IntEnum):
     CAP_TOKENS = 1
     FALLBACK = 2
     SHED = 3
-
-
-class DegradationPolicyName(str, enum.Enum):
-    """Values match the config's ``degradation.policy``."""
-
-    GRADED = "graded"
-    OFF = "off"
-
-
-class DegradationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    policy: DegradationPolicyName = DegradationPolicyName.GRADED
-    ttft_target_s: float = Field(default=2.0, gt=0)  # the contract's p95 time to first token
-    ttft_window_s: float = Field(default=10.0, gt=0)  # p95 TTFT over this recent window
-    ttft_min_samples: int = Field(default=5, ge=1)  # fewer TTFTs in the window: no TTFT signal (p95 = max)
-    queue_per_replica: float = Field(default=8.0, gt=0)  # waiting requests a replica holds at "full"
-    tokens_per_replica: float = Field(default=16384, gt=0)  # in-flight tokens a replica holds at "full"
-    enter: tuple[float, float, float] = (0.8, 1.0, 1.2)  # score to rise into level 1, 2, 3
-    exit: tuple[float, float, float] = (0.6, 0.8, 1.0)  # score below which level 1, 2, 3 is left
-    rise_s: tuple[float, float, float] = (1.0, 15.0, 15.0)  # how long above enter[k] before rising
-    fall_s: float = Field(default=10.0, ge=0)  # how long below exit[k] before falling one level
-    shed_p1_score: float = Field(default=1.5, gt=0)  # at level 3, p1 is shed from this score up
-    shed_p0_score: float = Field(default=2.0, gt=0)  # ... and p0 from this one, if no p1/p2 is left
-    min_max_tokens: int = Field(default=16, ge=1)  # level 1 never caps below this
-    max_cut: float = Field(default=0.8, ge=0, lt=1)  # level 1 cuts at most this share of max_tokens
-    retry_after_s: float = Field(default=2.0, gt=0)  # Retry-After on a shed request
-    eval_interval_s: float = Field(default=0.25, gt=0)  # re-read the load at most this often
-
-    @model_validator(mode="after")
-    def _check(self) -> DegradationConfig:
-        if list(self.enter) != sorted(self.enter):
-            raise ValueError(f"degradation.enter must rise with the level, got {list(self.enter)}")
-        for k, (lo, hi) in enumerate(zip(self.exit, self.enter, strict=True)):
-            if lo >= hi:
-                raise ValueError(f"degradation.exit[{k}] ({lo}) must be below enter[{k}] ({hi}) (hysteresis)")
-        if any(s < 0 for s in self.rise_s):
-            raise ValueError("degradation.rise_s must be >= 0")
-        return self
 
 
 @dataclass(frozen=True)

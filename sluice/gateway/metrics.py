@@ -34,17 +34,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sluice.gateway.autoscale import Autoscaler
+from sluice.gateway.degradation import DegradationPolicy
 from sluice.gateway.pool import ReplicaPool
-
-if TYPE_CHECKING:
-    from sluice.gateway.autoscale import Autoscaler
-    from sluice.gateway.degradation import DegradationPolicy
 
 __all__ = ["GatewayMetrics"]
 

@@ -25,17 +25,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.errors import InvalidRequestError
-
-if TYPE_CHECKING:  # NOTE(import-cycle): config.py imports this module's config class
-    from sluice.gateway.pool import ReplicaPool
+from sluice.gateway.config import RolloutConfig
+from sluice.gateway.pool import ReplicaPool
 
 __all__ = [
-    "RolloutConfig",
     "WindowStats",
     "Verdict",
     "VersionWindow",
@@ -45,19 +40,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sluice.gateway.rollout")
-
-
-class RolloutConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    auto_rollback: bool = True
-    window_s: float = Field(default=60.0, gt=0)  # sliding window of attempts compared
-    min_requests: int = Field(default=10, ge=1)  # canary attempts in the window before judging
-    max_5xx_rate: float = Field(default=0.05, ge=0, le=1)
-    max_p99_s: float = Field(default=2.0, gt=0)  # p99 time to first byte
-    max_success_drop: float = Field(default=0.10, ge=0, le=1)  # success rate vs the stable one
-    judge_interval_s: float = Field(default=0.2, ge=0)  # judge a canary at most this often
-    max_events: int = Field(default=100, ge=1)  # events kept for /admin/rollout
 
 
 @dataclass(frozen=True)

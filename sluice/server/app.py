@@ -145,7 +145,7 @@ def build_app(
     on_ready: Callable[[ModelInfo], None] | None = None,
     on_engine_dead: Callable[[], None] | None = None,
 ) -> FastAPI:
-    metrics = ServerMetrics(settings.served_model_name or settings.model)
+    metrics = ServerMetrics(settings.model_name)
     tracing = Tracing(tracer_provider or build_tracer_provider(settings.otlp_endpoint))
     keys = KeyStore.build(settings.api_key, settings.keys_file)
     state_box: dict[str, ServerState] = {}
@@ -156,7 +156,7 @@ def build_app(
             st.on_engine_dead()
 
     client = EngineClient(
-        settings.engine_config(),
+        settings.engine,
         engine_factory=engine_factory,
         on_dead=_dead,
         on_stats=metrics.observe_stats,
@@ -176,7 +176,7 @@ def build_app(
     state_box["state"] = state
 
     async def _start() -> None:
-        codec_task = asyncio.create_task(asyncio.to_thread(state.codec_factory, settings.model))
+        codec_task = asyncio.create_task(asyncio.to_thread(state.codec_factory, settings.engine.model))
         try:
             info = await client.wait_ready()
             codec = await codec_task
@@ -202,7 +202,7 @@ def build_app(
             codec=codec,
             model_info=info,
             served_model_name=name,
-            model_aliases={settings.model, info.name},
+            model_aliases={settings.engine.model, info.name},
             keys=keys,
             rate_limiter=state.rate_limiter,
             admission=state.admission,

@@ -1,58 +1,71 @@
-"""``sluice serve`` settings: one pydantic-settings object for the API process.
+"""``sluice serve`` settings: one pydantic object for the API process.
 
-Every field is a CLI flag (``--max-queued-requests``) and also reads
-``SLUICE_<NAME>`` from the environment (``SLUICE_MAX_QUEUED_REQUESTS``).
-Flags given on the command line win over the environment.  The engine's part
-is handed to the engine core process as a plain ``EngineConfig`` dataclass.
+``ServerSettings`` composes the engine's ``EngineConfig`` (``settings.engine``,
+handed to the engine core process as it is) with the API process's own fields
+below.  Both kinds are settings in the sense of ``sluice.settings``: each field
+is a flag (``--max-queued-requests``), an environment variable
+(``SLUICE_MAX_QUEUED_REQUESTS``) and a key of ``--config FILE.yaml``, all flat::
+
+    # serve.yaml
+    model: smollm2
+    port: 8001
+    max_num_seqs: 32
+    kv_cache_memory: 256MiB
+
+Precedence: flag > environment > file > default.  A server option is one field
+here with a ``description`` (its help); an engine option is one field of
+``EngineConfig``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sluice.engine.config import EngineConfig, parse_bytes
-from sluice.errors import InvalidRequestError
+from sluice.engine.config import EngineConfig
+from sluice.settings import (
+    Option,
+    make_option,
+    options_from_dataclass,
+    options_from_model,
+    read_yaml,
+    resolve,
+)
 
-__all__ = ["ServerSettings", "load_settings"]
+__all__ = ["ServerSettings", "load_settings", "serve_options", "CONFIG_OPTION"]
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+# ``--config FILE.yaml`` (or SLUICE_CONFIG): the file layer itself.
+CONFIG_OPTION = make_option("config", "YAML file of settings (keys as the flags, with underscores).", str,
+                            flags=["-c"])  # fmt: skip
 
 
-class ServerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="forbid", frozen=True)
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = "smollm2"  # HF dir, .gguf file, or 'smollm2'
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    dtype: str | None = None
-    kv_cache_memory: int | None = None  # bytes; accepts '2GiB'
-    max_model_len: int | None = Field(None, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    scheduling_policy: str = "wfq"
-    num_threads: int | None = Field(None, ge=1)  # engine torch threads; None: torch's default
-    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    keys_file: str | None = None
-    max_queued_requests: int = Field(256, ge=0)  # requests admitted but not started
-    max_queued_tokens: int = Field(262_144, ge=0)  # their prompt + max_tokens
-    max_request_bytes: int = Field(2 * 1024 * 1024, ge=1)
-    shutdown_timeout: float = Field(30.0, ge=0)  # seconds to drain on SIGTERM
-    otlp_endpoint: str | None = None
-    served_model_name: str | None = None
-    log_level: str = "info"
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _bytes(cls, v: object) -> object:
-        if v is None or v == "":
-            return None
-        return parse_bytes(v)  # type: ignore[arg-type]
+    engine: EngineConfig = Field(default_factory=EngineConfig)  # the engine's options
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8000, ge=0, le=65535, description="Port (0: any free port).",
+                      json_schema_extra={"flags": ["-p"]})  # fmt: skip
+    api_key: list[str] = Field(default_factory=list, description=(
+        "Accept this API key (tier p0, no limit); repeatable, comma-separated in the environment."))
+    keys_file: str | None = Field(None, description="YAML/JSON keys file: key -> tier, rpm, tpm.")
+    max_queued_requests: int = Field(256, ge=0, description="Admitted, not started requests before 429.")
+    max_queued_tokens: int = Field(262_144, ge=0, description="Their prompt + max_tokens before 429.")
+    max_request_bytes: int = Field(2 * 1024 * 1024, ge=1, description="Largest request body (413 above).")
+    shutdown_timeout: float = Field(30.0, ge=0, description="Seconds to drain in-flight requests on SIGTERM.")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")
+    served_model_name: str | None = Field(None, description="Model name in the API (default: the model's).")
+    log_level: str = Field("info", description=" | ".join(LOG_LEVELS) + ".")
 
     @field_validator("api_key", mode="before")
     @classmethod
     def _keys(cls, v: object) -> object:
-        # NOTE(env-keys): SLUICE_API_KEY holds one key or a comma-separated list.
+        # NOTE(env-keys): one key or a comma-separated list, as in SLUICE_API_KEY.
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
         return v
@@ -61,42 +74,42 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _level(cls, v: str) -> str:
         v = v.lower()
-        if v not in ("critical", "error", "warning", "info", "debug"):
-            raise ValueError("must be one of critical, error, warning, info, debug")
+        if v not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
         return v
 
-    @field_validator("scheduling_policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in ("fcfs", "priority", "wfq"):
-            raise ValueError("must be fcfs, priority or wfq")
-        return v
-
-    def engine_config(self) -> EngineConfig:
-        cfg = EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            kv_cache_memory=self.kv_cache_memory,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            scheduling_policy=self.scheduling_policy,
-            num_threads=self.num_threads,
-        )
-        cfg.validate()
-        return cfg
+    @property
+    def model_name(self) -> str:
+        """The name the API serves before the model is loaded (``--served-model-name`` or ``--model``)."""
+        return self.served_model_name or self.engine.model
 
 
-def load_settings(**overrides: object) -> ServerSettings:
-    """Build settings from env + explicit overrides (``None`` values are ignored).
+def serve_options() -> list[Option]:
+    """Every ``sluice serve`` setting: the engine's, then the API process's."""
+    return options_from_dataclass(EngineConfig) + options_from_model(ServerSettings, exclude={"engine"})
 
-    Raises ``InvalidRequestError`` with one readable line naming the bad flag.
+
+def load_settings(
+    config: str | None = None, *, environ: Mapping[str, str] | None = None, **flags: Any
+) -> ServerSettings:
+    """Settings from ``flags`` (field name -> value; ``None``: not given), the
+    ``SLUICE_*`` environment and the ``config`` YAML file, in that precedence.
+
+    Raises ``ConfigError`` with one readable line naming the flag.
     """
-    given = {k: v for k, v in overrides.items() if v is not None and v != [] and v != ()}
-    try:
-        return ServerSettings(**given)  # type: ignore[arg-type]
-    except ValidationError as e:
-        first = e.errors()[0]
-        name = str(first["loc"][0]) if first["loc"] else "settings"
-        flag = "--" + name.replace("_", "-")
-        raise InvalidRequestError(f"{flag} (or SLUICE_{name.upper()}): {first['msg']}") from None
+    options = serve_options()
+    path = flags.pop("config", None) or config
+    if path is None:
+        path = resolve([CONFIG_OPTION], {}, environ=environ).values.get("config")
+    file_values = read_yaml(path, "serve config") if path else {}
+    r = resolve(options, flags, environ=environ, file_values=file_values, file_name=str(path or ""))
+    engine_names = {f.name for f in fields(EngineConfig)}
+
+    def make(values: dict[str, Any]) -> ServerSettings:
+        nested: dict[str, Any] = {"engine": {k: v for k, v in values.items() if k in engine_names}}
+        nested.update({k: v for k, v in values.items() if k not in engine_names})
+        settings = ServerSettings.model_validate(nested)
+        settings.engine.validate()
+        return settings
+
+    return r.build(make)

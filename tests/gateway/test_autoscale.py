@@ -10,9 +10,10 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from sluice.gateway.autoscale import AutoscaleConfig, Autoscaler, ScaleState, decide
+from sluice.gateway.autoscale import Autoscaler, ScaleState, decide
+from sluice.gateway.config import AutoscaleConfig, LauncherName
 from sluice.gateway.fake_backend import Behavior, FakeBackend
-from sluice.gateway.launchers.base import LaunchedReplica, Launcher, LauncherName, ReplicaSpec
+from sluice.gateway.launchers.base import LaunchedReplica, Launcher, ReplicaSpec
 from tests.gateway.conftest import gateway_config, serve_gateway
 
 CFG = AutoscaleConfig(model_path="m", min_replicas=1, max_replicas=4)
@@ -204,10 +205,10 @@ async def test_gateway_config_autoscale_launches_min_replicas_and_reports(tmp_pa
 
 
 def test_a_version_without_replicas_needs_autoscale() -> None:
-    from sluice.errors import InvalidRequestError
+    from sluice.errors import ConfigError
 
-    with pytest.raises(InvalidRequestError, match="at least one replica"):
+    with pytest.raises(ConfigError, match="at least one replica"):
         gateway_config([], models={"m": {"versions": [{"name": "v1", "replicas": []}]}})
-    with pytest.raises(InvalidRequestError, match="autoscale.version"):
+    with pytest.raises(ConfigError, match="autoscale.version"):
         gateway_config([], models={"m": {"versions": [{"name": "v1", "replicas": []}],
                                          "autoscale": {"model_path": "x", "version": "v9"}}})  # fmt: skip

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.errors import InvalidRequestError
+from sluice.errors import ConfigError
 from sluice.gateway.config import PolicyName, load_config
 from sluice.gateway.prom import ReplicaLoad, parse_replica_load
 
@@ -44,9 +44,9 @@ def test_flags_override_yaml_and_replicas_take_short_form(tmp_path: Path) -> Non
 def test_bad_config_is_one_readable_error(tmp_path: Path, text: str, needle: str) -> None:
     p = tmp_path / "g.yaml"
     p.write_text(text)
-    with pytest.raises(InvalidRequestError, match=needle):
+    with pytest.raises(ConfigError, match=needle):
         load_config(p)
-    with pytest.raises(InvalidRequestError, match="cannot read gateway config"):
+    with pytest.raises(ConfigError, match="cannot read gateway config"):
         load_config(tmp_path / "missing.yaml")
 
 

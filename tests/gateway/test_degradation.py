@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from sluice.gateway.config import DegradationConfig, DegradationPolicyName
 from sluice.gateway.degradation import (
-    DegradationConfig,
     DegradationLevel,
-    DegradationPolicyName,
     GradedDegradation,
     LevelState,
     NoDegradation,

@@ -150,14 +150,14 @@ def test_degradation_config_is_validated(degradation: dict[str, Any]) -> None:
         cfg = gateway_config(["http://127.0.0.1:1"], degradation=degradation)
         assert cfg.degradation.policy.value == "off"
         return
-    from sluice.errors import InvalidRequestError
+    from sluice.errors import ConfigError
 
-    with pytest.raises(InvalidRequestError, match="degradation"):
+    with pytest.raises(ConfigError, match="degradation"):
         gateway_config(["http://127.0.0.1:1"], degradation=degradation)
 
 
 def test_fallback_must_name_a_version() -> None:
-    from sluice.errors import InvalidRequestError
+    from sluice.errors import ConfigError
 
-    with pytest.raises(InvalidRequestError, match="fallback"):
+    with pytest.raises(ConfigError, match="fallback"):
         gateway_config([], models={"m": {"fallback": "nope", "versions": [{"replicas": ["http://127.0.0.1:1"]}]}})

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.gateway.launchers import LauncherConfig, LauncherName, ReplicaSpec, make_launcher
+from sluice.gateway.config import LauncherConfig, LauncherName
+from sluice.gateway.launchers import ReplicaSpec, make_launcher
 from sluice.gateway.launchers.base import serve_argv
 from sluice.gateway.launchers.local import LocalLauncher, assign_cores, numa_nodes
 from sluice.gateway.launchers.pin import parse_cores

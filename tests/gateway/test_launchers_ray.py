@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.gateway.autoscale import AutoscaleConfig, Autoscaler
-from sluice.gateway.launchers import LauncherConfig, LauncherName, ReplicaSpec, make_launcher
+from sluice.gateway.autoscale import Autoscaler
+from sluice.gateway.config import AutoscaleConfig, LauncherConfig, LauncherName
+from sluice.gateway.launchers import ReplicaSpec, make_launcher
 from sluice.gateway.launchers.ray import RayLauncher
 from tests.gateway.conftest import gateway_config, serve_gateway
 

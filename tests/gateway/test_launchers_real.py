@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.gateway.autoscale import AutoscaleConfig, Autoscaler
-from sluice.gateway.degradation import DegradationConfig
-from sluice.gateway.launchers import LauncherConfig, ReplicaSpec
+from sluice.gateway.autoscale import Autoscaler
+from sluice.gateway.config import AutoscaleConfig, DegradationConfig, LauncherConfig
+from sluice.gateway.launchers import ReplicaSpec
 from sluice.gateway.launchers.local import LocalLauncher
 from tests.gateway.conftest import gateway_config, serve_gateway
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from sluice.errors import InvalidRequestError, ModelNotFoundError
+from sluice.gateway.config import RolloutConfig
 from sluice.gateway.pool import ReplicaPool
-from sluice.gateway.rollout import RolloutConfig, RolloutManager, VersionWindow, WindowStats, judge
+from sluice.gateway.rollout import RolloutManager, VersionWindow, WindowStats, judge
 from tests.gateway.conftest import FakeClock, gateway_config
 
 CFG = RolloutConfig()

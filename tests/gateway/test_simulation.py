@@ -14,9 +14,10 @@ from __future__ import annotations
 import heapq
 import random
 
-from sluice.gateway.autoscale import AutoscaleConfig, ScaleState, decide
+from sluice.gateway.autoscale import ScaleState, decide
 from sluice.gateway.breaker import BreakerState
-from sluice.gateway.degradation import DegradationConfig, pressure
+from sluice.gateway.config import AutoscaleConfig, DegradationConfig
+from sluice.gateway.degradation import pressure
 from sluice.gateway.policies import RouteRequest, make_policy
 from sluice.gateway.pool import ReplicaPool
 from sluice.gateway.replica import Replica

@@ -10,13 +10,17 @@
 
 from __future__ import annotations
 
-from sluice.gateway.launchers.base import (
-    LaunchedReplica,
-    Launcher,
-    LauncherConfig,
-    LauncherName,
-    ReplicaSpec,
-    make_launcher,
-)
+from sluice.gateway.config import LauncherConfig, LauncherName
+from sluice.gateway.launchers.base import LaunchedReplica, Launcher, ReplicaSpec
 
 __all__ = ["LaunchedReplica", "Launcher", "LauncherConfig", "LauncherName", "ReplicaSpec", "make_launcher"]
+
+
+def make_launcher(config: LauncherConfig) -> Launcher:
+    if config.kind is LauncherName.RAY:
+        from sluice.gateway.launchers.ray import RayLauncher  # ray is an optional extra
+
+        return RayLauncher(config)
+    from sluice.gateway.launchers.local import LocalLauncher
+
+    return LocalLauncher(config)

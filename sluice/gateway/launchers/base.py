@@ -16,46 +16,21 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import enum
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+
+from sluice.gateway.config import LauncherName
 
 __all__ = [
-    "LauncherName",
-    "LauncherConfig",
     "ReplicaSpec",
     "LaunchedReplica",
     "Launcher",
     "serve_argv",
     "wait_healthy",
-    "make_launcher",
 ]
-
-
-class LauncherName(str, enum.Enum):
-    """Values match the config's ``autoscale.launcher.kind``."""
-
-    LOCAL = "local"
-    RAY = "ray"
-
-
-class LauncherConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: LauncherName = LauncherName.LOCAL
-    host: str | None = None  # replicas' bind address; None: 127.0.0.1 (local), the Ray node's IP (ray)
-    cpus_per_replica: float = Field(default=1, gt=0)  # cores pinned (local) / Ray num_cpus (ray)
-    ready_timeout_s: float = Field(default=180.0, gt=0)  # launch -> /health 200
-    stop_timeout_s: float = Field(default=30.0, gt=0)  # SIGTERM -> SIGKILL
-    restart_backoff_s: float = Field(default=1.0, gt=0)  # first restart delay after a crash (local)
-    max_restart_backoff_s: float = Field(default=30.0, gt=0)  # the delay doubles up to this
-    stable_after_s: float = Field(default=60.0, gt=0)  # up this long: the backoff resets
-    ray_address: str | None = None  # None: the running Ray, or a local one (ray.init())
-    ray_namespace: str = "sluice"
 
 
 @dataclass(frozen=True)
@@ -120,13 +95,3 @@ class Launcher(abc.ABC):
 
     async def close(self) -> None:
         await asyncio.gather(*(self.stop(r) for r in self.replicas()), return_exceptions=True)
-
-
-def make_launcher(config: LauncherConfig) -> Launcher:
-    if config.kind is LauncherName.RAY:
-        from sluice.gateway.launchers.ray import RayLauncher  # ray is an optional extra
-
-        return RayLauncher(config)
-    from sluice.gateway.launchers.local import LocalLauncher
-
-    return LocalLauncher(config)

@@ -28,11 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.gateway.config import LauncherConfig, LauncherName
 from sluice.gateway.launchers.base import (
     LaunchedReplica,
     Launcher,
-    LauncherConfig,
-    LauncherName,
     ReplicaSpec,
     serve_argv,
     wait_healthy,

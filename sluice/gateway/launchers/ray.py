@@ -22,11 +22,10 @@ import logging
 import uuid
 from typing import Any
 
+from sluice.gateway.config import LauncherConfig, LauncherName
 from sluice.gateway.launchers.base import (
     LaunchedReplica,
     Launcher,
-    LauncherConfig,
-    LauncherName,
     ReplicaSpec,
     serve_argv,
     wait_healthy,
