@@ -31,6 +31,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check sluice tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -28,12 +28,14 @@ def _root() -> None:
 def _register_all() -> None:
     from sluice.bench import cli as bench_cli
     from sluice.engine import cli as engine_cli
+    from sluice.engine import doctor as engine_doctor
     from sluice.gateway import cli as gateway_cli
     from sluice.obs import cli as obs_cli
     from sluice.server import cli as server_cli
 
-    for mod in (engine_cli, server_cli, gateway_cli, bench_cli, obs_cli):
+    for mod in (engine_cli, server_cli, gateway_cli, bench_cli):
         mod.register(app)
+    obs_cli.register(app, probes=[engine_doctor.report])  # obs knows no engine: the probe is handed in
 
 
 _register_all()

@@ -33,13 +33,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from sluice.auth import KeyStore
-from sluice.errors import InvalidRequestError, ModelNotFoundError, SluiceError
+from sluice.errors import InvalidRequestError, PayloadTooLargeError, SluiceError
 from sluice.gateway.autoscale import Autoscaler
 from sluice.gateway.config import GatewayConfig
 from sluice.gateway.launchers import Launcher, make_launcher
-from sluice.gateway.pipeline import Gateway, ProxyStream, error_response
+from sluice.gateway.pipeline import Gateway, ProxyStream
 from sluice.gateway.scraper import Scraper
 from sluice.gateway.upstream import UpstreamClient
+from sluice.http_errors import error_response, from_http_status
 
 __all__ = ["build_app", "GatewayApp"]
 
@@ -75,8 +76,7 @@ class GatewayApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                err = InvalidRequestError(f"request body larger than {limit} bytes", code="request_too_large")
-                err.status_code = 413
+                err = PayloadTooLargeError(limit, setting="max_request_bytes")
                 rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
                 await error_response(err, rid)(scope, receive, send)
                 return
@@ -93,8 +93,7 @@ class GatewayApp:
 
 
 def _internal_error() -> Response:
-    body = {"error": {"message": "internal gateway error", "type": "internal_error", "param": None, "code": None}}
-    return Response(json.dumps(body), status_code=500, media_type="application/json")
+    return error_response(SluiceError("internal gateway error"))
 
 
 def build_app(
@@ -192,12 +191,7 @@ def build_app(
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        if exc.status_code == 404:
-            err: SluiceError = ModelNotFoundError(f"no route {request.url.path}", param=None)
-            err.code = "route_not_found"
-        else:
-            err = InvalidRequestError(f"{request.method} {request.url.path}: {exc.detail}")
-            err.status_code = exc.status_code
+        err = from_http_status(exc.status_code, request.method, request.url.path, str(exc.detail))
         return error_response(err, _rid(request))
 
     async def internal_error(request: Request, exc: Exception) -> Response:

@@ -47,9 +47,10 @@ from sluice.gateway.replica import Replica
 from sluice.gateway.retry import RetryBudget
 from sluice.gateway.rollout import RolloutEvent, RolloutManager
 from sluice.gateway.upstream import AttemptError, Upstream, UpstreamClient
+from sluice.http_errors import error_response
 from sluice.types import Priority, parse_priority
 
-__all__ = ["Outcome", "Gateway", "ProxyStream", "error_response"]
+__all__ = ["Outcome", "Gateway", "ProxyStream"]
 
 _DEFAULT_MAX_TOKENS = 256  # token estimate when the request gives none
 
@@ -78,16 +79,6 @@ class _Parsed:
     route: RouteRequest
     max_tokens: int  # the client's max_tokens, or the gateway's default estimate
     priority: Priority = Priority.P1  # after the key's tier cap
-
-
-def error_response(e: SluiceError, request_id: str) -> Response:
-    headers = {"x-request-id": request_id}
-    retry_after = getattr(e, "retry_after", None)
-    if retry_after is not None:
-        headers["retry-after"] = str(max(1, round(retry_after)))
-    return Response(
-        json.dumps(e.to_openai()), status_code=e.status_code, headers=headers, media_type="application/json"
-    )
 
 
 def _prompt_text(body: dict[str, Any]) -> str:

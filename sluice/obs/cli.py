@@ -1,7 +1,8 @@
 """``sluice doctor``: what sluice sees on this machine (registered by ``sluice.cli``).
 
-Python / torch versions, CPU and NUMA topology, memory, GPUs, and the
-attention backend the engine would choose.  ``--json`` prints one JSON document.
+Python version, CPU and NUMA topology, memory, GPUs, and what the probes that
+``sluice.cli`` passes in add (the engine's: torch and the attention backend it
+would choose, ``sluice.engine.doctor``).  ``--json`` prints one JSON document.
 """
 
 from __future__ import annotations
@@ -9,29 +10,26 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
 
-__all__ = ["register", "doctor", "collect_report"]
+__all__ = ["register", "doctor", "collect_report", "Probe"]
+
+# A probe adds keys to the report (the engine's: torch, gpus, attention).
+Probe = Callable[[], dict[str, Any]]
 
 
-def register(app: typer.Typer) -> None:
-    app.command("doctor")(doctor)
+def register(app: typer.Typer, probes: Sequence[Probe] = ()) -> None:
+    def doctor_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+        """Show the machine as sluice sees it: versions, CPU/NUMA, memory, GPUs, attention backend."""
+        doctor(as_json, probes)
+
+    app.command("doctor")(doctor_command)
 
 
-def _attention(device: str) -> dict[str, Any]:
-    try:
-        from sluice.engine.attention import available_backends
-    except Exception as e:  # noqa: BLE001 -- torch missing or broken: say so, do not crash
-        return {"device": device, "available": [], "chosen": None, "error": f"{type(e).__name__}: {e}"}
-    names = available_backends(device)
-    # NOTE(backend-choice): mirrors EngineCore's default (make_attention_backend(None, ...)).
-    chosen = "cpu_paged" if device == "cpu" and "cpu_paged" in names else names[0] if names else None
-    return {"device": device, "available": names, "chosen": chosen}
-
-
-def collect_report() -> dict[str, Any]:
+def collect_report(probes: Sequence[Probe] = ()) -> dict[str, Any]:
     from sluice import __version__
     from sluice.obs import hardware
 
@@ -39,30 +37,23 @@ def collect_report() -> dict[str, Any]:
         "sluice": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "torch": None,
+        "gpus": [],
     }
-    try:
-        import torch
-
-        report["torch"] = torch.__version__
-        report["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        report["torch"] = None
     report["cpu"] = hardware.cpu_info()
     report["numa"] = hardware.numa_nodes()
     report["memory"] = hardware.memory_info()
-    report["gpus"] = hardware.accelerators()
-    device = "cuda" if report["gpus"] else "cpu"
-    report["attention"] = _attention(device)
+    for probe in probes:
+        report.update(probe())
     return report
 
 
-def doctor(as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
-    """Show the machine as sluice sees it: versions, CPU/NUMA, memory, GPUs, attention backend."""
-    r = collect_report()
+def doctor(as_json: bool, probes: Sequence[Probe] = ()) -> None:
+    r = collect_report(probes)
     if as_json:
         print(json.dumps(r))
         return
-    cpu, mem, att = r["cpu"], r["memory"], r["attention"]
+    cpu, mem, att = r["cpu"], r["memory"], r.get("attention")
     lines = [
         f"sluice     {r['sluice']}  (Python {r['python']}, torch {r['torch'] or 'not installed'})",
         f"platform   {r['platform']}",
@@ -83,8 +74,8 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print one JSON do
             lines.append(f"gpu        {g['device']}: {g['name']}, {g['memory_gib']} GiB, sm {g['capability']}")
     else:
         lines.append("gpu        none (CPU serving)")
-    if att.get("error"):
+    if att is not None and att.get("error"):
         lines.append(f"attention  unavailable: {att['error']}")
-    else:
+    elif att is not None:
         lines.append(f"attention  {att['chosen']} on {att['device']} (available: {', '.join(att['available'])})")
     sys.stdout.write("\n".join(lines) + "\n")

@@ -1,7 +1,7 @@
-"""What machine are we on: CPU / NUMA topology, memory, accelerators (for ``sluice doctor``).
+"""What machine are we on: CPU / NUMA topology, memory (for ``sluice doctor``).
 
-Pure readers of ``/proc``, ``/sys`` and psutil; torch is imported only by
-``accelerators()``, so the CPU part works on machines without torch.
+Pure readers of ``/proc``, ``/sys`` and psutil, torch-free (the GPUs torch
+sees are the engine's part of the report: ``sluice.engine.doctor``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["cpu_info", "numa_nodes", "memory_info", "accelerators", "parse_cpulist"]
+__all__ = ["cpu_info", "numa_nodes", "memory_info", "parse_cpulist"]
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -72,17 +72,3 @@ def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> list[dict[str, 
 def memory_info() -> dict[str, float]:
     vm = psutil.virtual_memory()
     return {"total_gib": round(vm.total / 2**30, 1), "available_gib": round(vm.available / 2**30, 1)}
-
-
-def accelerators() -> list[dict[str, Any]]:
-    try:
-        import torch
-    except ImportError:
-        return []
-    out = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            out.append({"device": f"cuda:{i}", "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                        "capability": f"{p.major}.{p.minor}"})
-    return out

@@ -1,6 +1,6 @@
-"""OpenTelemetry tracing for the server: provider setup and engine-stage spans.
+"""OpenTelemetry tracing: provider setup, request spans, and spans built after the fact.
 
-Spans per request::
+Spans per server request (the engine stages come from ``server.telemetry.record_stages``)::
 
     POST /v1/chat/completions        (SERVER, parent from the client's traceparent)
      ├── tokenize
@@ -25,8 +25,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-from sluice.engine.protocol import RequestTimings
 
 __all__ = ["build_tracer_provider", "Tracing"]
 
@@ -67,20 +65,13 @@ class Tracing:
     def to_ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._offset_ns
 
-    def record_stages(self, parent: Span, t: RequestTimings | None, attributes: dict[str, str | int]) -> None:
-        if t is None:
-            return
+    def record_span(
+        self, parent: Span, name: str, start_s: float, end_s: float, attributes: dict[str, str | int]
+    ) -> None:
+        """A finished child span of ``parent`` from two ``time.monotonic()`` stamps."""
         ctx = trace.set_span_in_context(parent)
-        stages = (
-            ("queue", t.arrival, t.first_scheduled),
-            ("prefill", t.first_scheduled, t.first_token),
-            ("decode", t.first_token, t.finished),
-        )
-        for name, start, end in stages:
-            if start is None or end is None:
-                continue
-            span = self.tracer.start_span(name, context=ctx, start_time=self.to_ns(start), attributes=attributes)
-            span.end(end_time=self.to_ns(max(start, end)))
+        span = self.tracer.start_span(name, context=ctx, start_time=self.to_ns(start_s), attributes=attributes)
+        span.end(end_time=self.to_ns(max(start_s, end_s)))
 
     def shutdown(self) -> None:
         self.provider.shutdown()

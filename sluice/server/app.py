@@ -34,25 +34,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.auth import KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
-from sluice.errors import ServiceUnavailableError, SluiceError
-from sluice.obs.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from sluice.errors import PayloadTooLargeError, ServiceUnavailableError, SluiceError
+from sluice.http_errors import error_response, from_http_status, to_sluice_error
 from sluice.obs.tracing import Tracing, build_tracer_provider
 from sluice.server.admission import AdmissionController
 from sluice.server.codec import TextCodec, load_codec
 from sluice.server.config import ServerSettings
 from sluice.server.engine_client import EngineClient
 from sluice.server.generation import Generation
-from sluice.server.http_errors import (
-    MethodNotAllowedError,
-    NotFoundError,
-    PayloadTooLargeError,
-    error_headers,
-    from_validation_error,
-    to_sluice_error,
-)
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.serving import OpenAIServing, RequestContext
 from sluice.server.sse import ClientGone, SSEResponse, wait_or_disconnect
+from sluice.server.telemetry import CONTENT_TYPE_LATEST, ServerMetrics
 
 __all__ = ["build_app", "ServerState"]
 
@@ -98,10 +91,6 @@ class ServerState:
 
 def _json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(_json.encode(doc), status_code=status, headers=headers, media_type="application/json")
-
-
-def _error_response(err: SluiceError) -> Response:
-    return _json_response(err.to_openai(), err.status_code, error_headers(err))
 
 
 class RequestIdMiddleware:
@@ -233,30 +222,24 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exc(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            return _error_response(NotFoundError(f"no route {request.method} {request.url.path}"))
-        if exc.status_code == 405:
-            return _error_response(MethodNotAllowedError(f"method {request.method} not allowed on {request.url.path}"))
-        err = SluiceError(str(exc.detail))
-        err.status_code = exc.status_code
-        return _error_response(err)
+        return error_response(from_http_status(exc.status_code, request.method, request.url.path, str(exc.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return _error_response(SluiceError(str(exc)))
+        return error_response(SluiceError(str(exc)))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
-        return _error_response(to_sluice_error(exc))
+        return error_response(to_sluice_error(exc))
 
     @app.get("/health")
     async def health() -> Response:
         if state.is_draining:
-            return _error_response(ServiceUnavailableError("draining", retry_after=1.0))
+            return error_response(ServiceUnavailableError("draining", retry_after=1.0))
         if state.client.is_dead or state.startup_error:
-            return _error_response(ServiceUnavailableError(state.startup_error or "engine core is not running"))
+            return error_response(ServiceUnavailableError(state.startup_error or "engine core is not running"))
         if not state.is_ready:
-            return _error_response(ServiceUnavailableError("engine core is starting", retry_after=1.0))
+            return error_response(ServiceUnavailableError("engine core is starting", retry_after=1.0))
         return _json_response({"status": "ok"})
 
     @app.get("/metrics")
@@ -269,7 +252,7 @@ def build_app(
             keys.authenticate(request.headers.get("authorization"))
             serving = _serving()
         except SluiceError as e:
-            return _error_response(e)
+            return error_response(e)
         info = serving.model_info
         return _json_response(
             {
@@ -343,9 +326,7 @@ def build_app(
                 serving.finish(ctx, gen)
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 -- every failure becomes an OpenAI error
-            from pydantic import ValidationError
-
-            err = from_validation_error(e) if isinstance(e, ValidationError) else to_sluice_error(e)
+            err = to_sluice_error(e)
             ctx.status = err.status_code
             ctx.extra["error"] = err.message
             if serving is not None:
@@ -353,7 +334,7 @@ def build_app(
             else:
                 metrics.count_request(err.status_code, ctx.priority.label)
                 span.end()
-            return _error_response(err)
+            return error_response(err)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -33,7 +33,6 @@ from sluice.errors import (
     SluiceError,
 )
 from sluice.obs.logging import REQUEST_LOGGER
-from sluice.obs.metrics import ServerMetrics
 from sluice.obs.tracing import Tracing
 from sluice.server.admission import AdmissionController
 from sluice.server.codec import TextCodec
@@ -41,6 +40,7 @@ from sluice.server.engine_client import EngineClient
 from sluice.server.generation import Choice, Generation
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.render import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, sse_event
+from sluice.server.telemetry import ServerMetrics, record_stages
 from sluice.types import Priority, parse_priority
 
 __all__ = ["OpenAIServing", "RequestContext", "Prepared"]
@@ -256,7 +256,7 @@ class OpenAIServing:
         self.metrics.observe_finished(label, c.timings, c.num_tokens)
         t = c.timings
         if t is not None:
-            self.tracing.record_stages(ctx.span, t, {"sluice.choice": c.index, "sluice.priority": label})
+            record_stages(self.tracing, ctx.span, t, {"sluice.choice": c.index, "sluice.priority": label})
 
     # -- responses -----------------------------------------------------------------
 

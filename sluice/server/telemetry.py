@@ -1,9 +1,10 @@
-"""Prometheus metrics for ``sluice serve``: the bridge from engine stats to exporters.
+"""The server's telemetry bridge: engine stats and timings -> Prometheus metrics and trace spans.
 
 The engine knows no exporter: it emits ``EngineStats`` (per step) and
 ``RequestTimings`` (per finished request).  ``ServerMetrics`` turns them into
 prometheus-client metrics with the DESIGN.md names, on a registry owned by
-the app (no global registry, so tests can build many apps)::
+the app (no global registry, so tests can build many apps); ``record_stages``
+turns a request's timings into its queue / prefill / decode spans::
 
     sluice_time_to_first_token_seconds{priority}     histogram
     sluice_time_per_output_token_seconds{priority}   histogram
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -30,8 +32,9 @@ from prometheus_client.registry import Collector
 
 from sluice.engine.protocol import EngineStats, RequestTimings
 from sluice.obs.host import HostCollector
+from sluice.obs.tracing import Tracing
 
-__all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST"]
+__all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST", "record_stages"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -115,3 +118,22 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=s.prefix_cache_queries)
         yield CounterMetricFamily("sluice_preemptions", "Requests preempted (freed and recomputed later).", value=s.num_preemptions)
         yield CounterMetricFamily("sluice_engine_steps", "Engine steps.", value=s.num_steps)
+
+
+def record_stages(tracing: Tracing, parent: Span, t: RequestTimings | None, attributes: dict[str, str | int]) -> None:
+    """The engine stages of one finished request as child spans of ``parent``::
+
+        queue    arrival -> first scheduled
+        prefill  first scheduled -> first token
+        decode   first token -> finished
+    """
+    if t is None:
+        return
+    stages = (
+        ("queue", t.arrival, t.first_scheduled),
+        ("prefill", t.first_scheduled, t.first_token),
+        ("decode", t.first_token, t.finished),
+    )
+    for name, start, end in stages:
+        if start is not None and end is not None:
+            tracing.record_span(parent, name, start, end, attributes)
