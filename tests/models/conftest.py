@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hub_factory, gguf_factory
 
 from model_factory import make_tiny_model_dir  # noqa: E402
 

@@ -1,1 +1,322 @@
-"""sluice.models.quant"""
+"""Checkpoints -> quantized weights in the canonical ``QuantWeight`` form, with per-layer fallback.
+
+    sd, report = load_quantized_weights(resolve_model("smollm2"), quantization="auto", fallback="auto")
+    sd["model.layers.0.self_attn.q_proj.weight"]  -> QuantWeight (gguf:Q4_1)
+    sd["model.norm.weight"]                        -> float32 tensor
+
+``quantization`` (the ``--quantization`` flag):
+
+    auto    what the checkpoint holds: GGUF block types as they are, AWQ/GPTQ as they
+            are, a sluice quantized checkpoint as it is; float HF checkpoints stay float
+    none    everything float32: the exact dequantized reference of the same weights
+    int8    round-to-nearest at load from the float (or dequantized) weights,
+    int4      group-wise (``group_size``, default 32), per-layer fallback applies
+    gguf    like auto, but requires a GGUF file
+    awq, gptq, sluice   like auto, but require that checkpoint format
+
+``fallback`` (``--quant-fallback``): ``auto`` | ``none`` | ``PATTERN,...`` (see fallback.py).
+Embeddings and the LM head stay float32 for int8/int4 unless ``quantize_head``.
+
+The report: ``{"format", "quantization", "fallback", "layers": {name: {"shape", "precision",
+"error", "bytes", "reason"}}, "totals": {...}, "model_error": {...} | None}``.
+
+Modules: gguf.py, awq.py, gptq.py, hub.py (AWQ/GPTQ state dicts), rtn.py,
+calibrate.py (reference model, per-layer error, KL), fallback.py (policy),
+checkpoint.py (sluice's own format).  Only ``sluice.kernels.qweight`` is
+imported from the kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.kernels.qweight import QuantWeight
+from sluice.models.loader import ModelSource, cache_dir, file_digest
+from sluice.models.quant.calibrate import CALIBRATION_TOKENS, english_text
+from sluice.models.quant.fallback import (
+    DEFAULT_KL_BOUND,
+    FallbackSpec,
+    choose_fallback,
+    parse_fallback,
+)
+from sluice.models.quant.rtn import quantize_rtn
+
+__all__ = [
+    "QUANTIZATION_MODES",
+    "QuantWeight",
+    "load_quantized_weights",
+    "detect_format",
+    "parse_fallback",
+    "is_linear_weight",
+]
+
+log = logging.getLogger("sluice.models.quant")
+
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4", "gguf", "awq", "gptq", "sluice")
+_NATIVE = ("auto", "gguf", "awq", "gptq", "sluice")
+_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_CACHE_VERSION = 1
+
+
+def is_linear_weight(name: str) -> bool:
+    """A decoder-layer linear's weight (q/k/v/o, gate/up/down): the fallback candidates."""
+    return bool(_LINEAR.match(name))
+
+
+def detect_format(source: ModelSource) -> str:
+    """'gguf' | 'sluice' | 'awq' | 'gptq' | 'float' (a fp32/fp16/bf16 HF checkpoint)."""
+    from sluice.models.quant.checkpoint import is_sluice_checkpoint
+    from sluice.models.quant.hub import quant_method
+
+    if source.kind == "gguf":
+        return "gguf"
+    if is_sluice_checkpoint(source.path):
+        return "sluice"
+    return quant_method(source.path) or "float"
+
+
+def _dense(w: QuantWeight | torch.Tensor) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QuantWeight) else w.to(torch.float32)
+
+
+def _read_native(source: ModelSource, fmt: str, dequantize: bool) -> tuple[dict[str, Any], dict[str, QuantWeight | torch.Tensor]]:
+    """(HF config, HF-named state dict) of the checkpoint, quantized tensors kept as ``QuantWeight``
+    (or exact float32 when ``dequantize``; act-order GPTQ can only be read that way)."""
+    from sluice.models.loader import (
+        _gguf_reader,
+        gguf_hf_config,
+        load_hf_state_dict,
+        load_model_config,
+    )
+
+    if fmt == "gguf":
+        from sluice.models.quant.gguf import gguf_quant_state_dict
+
+        reader = _gguf_reader(source.path)
+        cfg = gguf_hf_config(reader, source.path)
+        return cfg, gguf_quant_state_dict(reader, source.path, cfg)
+    cfg = load_model_config(source)
+    if fmt == "sluice":
+        from sluice.models.quant.checkpoint import load_sluice_state_dict
+
+        return cfg, load_sluice_state_dict(source.path)
+    sd = load_hf_state_dict(source.path)
+    if fmt in ("awq", "gptq"):
+        from sluice.models.quant.hub import hub_state_dict, read_quant_config
+
+        return cfg, hub_state_dict(sd, read_quant_config(source.path) or {}, dequantize=dequantize)
+    return cfg, {k: v.to(torch.float32) for k, v in sd.items()}
+
+
+def _check_combination(fmt: str, quantization: str, group_size: int | None, symmetric: bool | None) -> None:
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}")
+    if quantization in ("gguf", "awq", "gptq", "sluice") and fmt != quantization:
+        raise ValueError(f"--quantization {quantization} needs a {quantization} checkpoint, this model is {fmt} (use auto, none, int8 or int4)")
+    if quantization not in ("int8", "int4") and (group_size is not None or symmetric is not None):
+        raise ValueError(f"group size / symmetric apply to --quantization int8|int4 only, not {quantization}")
+
+
+def _head_names(sd: dict[str, Any]) -> list[str]:
+    if "lm_head.weight" in sd:
+        return ["lm_head.weight"]
+    return ["model.embed_tokens.weight"] if "model.embed_tokens.weight" in sd else []
+
+
+def _source_digest(source: ModelSource) -> str:
+    if source.path.is_file():
+        return file_digest(source.path)
+    files = sorted(source.path.glob("*.safetensors")) + [source.path / "config.json"]
+    return hashlib.sha256("".join(file_digest(f) for f in files if f.is_file()).encode()).hexdigest()[:16]
+
+
+def _fallback_cache_path(source: ModelSource, settings: dict[str, Any]) -> Path:
+    key = json.dumps({**settings, "v": _CACHE_VERSION, "text": hashlib.sha256(english_text().encode()).hexdigest()[:12]}, sort_keys=True)
+    return cache_dir() / "quant-fallback" / f"{_source_digest(source)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs the next start a calibration
+        pass
+
+
+def load_quantized_weights(
+    source: ModelSource,
+    quantization: str = "auto",
+    fallback: str = "auto",
+    *,
+    group_size: int | None = None,  # int8/int4: group of inputs per scale (-1: per channel); default 32
+    symmetric: bool | None = None,  # int8/int4: default int4 asymmetric (scale + min), int8 symmetric
+    quantize_head: bool = False,  # int8/int4: quantize the LM head too (the embedding when tied)
+    kl_bound: float = DEFAULT_KL_BOUND,  # auto fallback: model error bound, nats/token
+    calibration_tokens: int = CALIBRATION_TOKENS,
+    measure_errors: bool = False,  # measure every quantized linear's error even without auto fallback
+    use_cache: bool = True,  # reuse an earlier auto-fallback choice for the same file and settings
+) -> tuple[dict[str, QuantWeight | torch.Tensor], dict[str, Any]]:
+    """The HF-named weights of ``source`` in the requested precision, and a report (see module doc)."""
+    t0 = time.monotonic()
+    quantization = (quantization or "auto").lower()
+    fb = parse_fallback(fallback)
+    fmt = detect_format(source)
+    _check_combination(fmt, quantization, group_size, symmetric)
+    raw_cfg, sd = _read_native(source, fmt, dequantize=quantization not in _NATIVE)
+    reasons: dict[str, str] = {}
+    errors: dict[str, float] = {}
+    model_error: dict[str, Any] | None = None
+
+    if quantization == "none":
+        sd = {k: _dense(v) for k, v in sd.items()}
+    elif quantization in _NATIVE:
+        if fb.mode == "patterns":  # already-quantized layers the user wants in float32: their exact values
+            for name, w in sd.items():
+                if isinstance(w, QuantWeight) and fb.matches(name):
+                    sd[name], reasons[name] = w.dequantize(), "pattern"
+    else:
+        bits = 8 if quantization == "int8" else 4
+        g = 32 if group_size is None else group_size
+        sym = (bits == 8) if symmetric is None else symmetric
+        sd = {k: _dense(v) for k, v in sd.items()}
+        heads = _head_names(sd) if quantize_head else []
+        candidates = [n for n in sd if is_linear_weight(n) or n in heads]
+        for n in candidates:
+            if fb.matches(n):
+                reasons[n] = "pattern"
+        quant: dict[str, QuantWeight] = {}
+        for n in candidates:
+            if n not in reasons:
+                try:
+                    quant[n] = quantize_rtn(sd[n], bits, g, sym)
+                except ValueError as e:
+                    raise ValueError(f"--quantization {quantization} --group-size {g}: {n} {tuple(sd[n].shape)}: {e}") from e
+        float_layers: list[str] = []
+        if quant and (fb.mode == "auto" or measure_errors):
+            settings = {"q": quantization, "g": g, "sym": sym, "head": quantize_head, "bound": kl_bound, "n": calibration_tokens, "fb": str(fb)}
+            cache = _fallback_cache_path(source, settings)
+            cached = _read_json(cache) if use_cache else None
+            if cached is None or set(cached.get("errors", {})) != set(quant):
+                cached = _calibrate(source, raw_cfg, sd, quant, fb.mode == "auto", kl_bound, calibration_tokens)
+                if use_cache:
+                    _write_json_atomic(cache, cached)
+            errors = {k: float(v) for k, v in cached["errors"].items()}
+            if fb.mode == "auto":
+                float_layers = list(cached["float_layers"])
+                model_error = {"metric": "kl_nats_per_token", "value": cached["kl"], "all_quantized": cached["kl_all_quantized"], "bound": kl_bound, "tokens": calibration_tokens}
+                log.info(
+                    "quant fallback auto: %d of %d linears kept float32 (KL %.4g, all quantized %.4g, bound %.3g)%s",
+                    len(float_layers), len(quant), cached["kl"], cached["kl_all_quantized"], kl_bound,
+                    ": " + ", ".join(float_layers[:8]) + (" ..." if len(float_layers) > 8 else "") if float_layers else "",
+                )
+        for n in float_layers:
+            reasons[n] = "auto"
+        for n, w in quant.items():
+            if n not in reasons:
+                sd[n] = w
+        for n in ("model.embed_tokens.weight", "lm_head.weight"):
+            if n in sd and not isinstance(sd[n], QuantWeight):
+                reasons.setdefault(n, "embedding/head")
+
+    report = _report(source, fmt, quantization, fb, sd, reasons, errors, model_error)
+    report["seconds"] = round(time.monotonic() - t0, 2)
+    return sd, report
+
+
+def _calibrate(
+    source: ModelSource,
+    raw_cfg: dict[str, Any],
+    float_sd: dict[str, torch.Tensor],
+    quant: dict[str, QuantWeight],
+    choose: bool,
+    bound: float,
+    num_tokens: int,
+) -> dict[str, Any]:
+    from sluice.models.quant.calibrate import ReferenceModel, calibration_tokens, mean_kl
+    from sluice.models.tokenizer import load_tokenizer
+
+    tokens = calibration_tokens(load_tokenizer(source), num_tokens)
+    ref = ReferenceModel(raw_cfg, float_sd, len(tokens))
+    errors = ref.linear_errors(tokens, dict(quant))
+    out: dict[str, Any] = {"errors": errors, "float_layers": [], "kl": None, "kl_all_quantized": None}
+    if choose:
+        base = ref.logprobs(tokens)
+
+        quantized_now: set[str] = set()  # the model holds the float weights
+
+        def kl_with_float(keep: list[str]) -> float:
+            want = set(quant) - set(keep)
+            ref.assign({n: quant[n] for n in want - quantized_now} | {n: float_sd[n] for n in quantized_now - want})
+            quantized_now.clear()
+            quantized_now.update(want)
+            return mean_kl(base, ref.logprobs(tokens))
+
+        choice = choose_fallback(errors, kl_with_float, bound)
+        out.update(float_layers=choice.float_layers, kl=choice.kl, kl_all_quantized=choice.kl_all_quantized, history=choice.history)
+    return out
+
+
+def _nbytes(w: QuantWeight | torch.Tensor) -> int:
+    return w.nbytes_packed if isinstance(w, QuantWeight) else int(w.numel()) * 4
+
+
+def _report(
+    source: ModelSource,
+    fmt: str,
+    quantization: str,
+    fb: FallbackSpec,
+    sd: dict[str, QuantWeight | torch.Tensor],
+    reasons: dict[str, str],
+    errors: dict[str, float],
+    model_error: dict[str, Any] | None,
+) -> dict[str, Any]:
+    layers: dict[str, dict[str, Any]] = {}
+    for name, w in sd.items():
+        if len(tuple(w.shape)) != 2:
+            continue
+        quantized = isinstance(w, QuantWeight)
+        layers[name] = {
+            "shape": list(w.shape),
+            "precision": w.source if isinstance(w, QuantWeight) else "float32",
+            "error": errors.get(name) if quantized else (0.0 if name in errors else None),
+            "bytes": _nbytes(w),
+            "reason": "quantized" if quantized else reasons.get(name, "float"),
+        }
+        if not quantized and name in errors:
+            layers[name]["error_if_quantized"] = errors[name]
+    total = sum(_nbytes(w) for w in sd.values())
+    fp32 = sum(int(torch.Size(w.shape).numel()) * 4 for w in sd.values())
+    return {
+        "model": source.name,
+        "format": fmt,
+        "quantization": quantization,
+        "fallback": str(fb),
+        "layers": layers,
+        "model_error": model_error,
+        "totals": {
+            "bytes": total,
+            "float32_bytes": fp32,
+            "num_quantized": sum(isinstance(w, QuantWeight) for w in sd.values()),
+            "num_float_matrices": sum(1 for n, v in layers.items() if v["precision"] == "float32"),
+        },
+    }
