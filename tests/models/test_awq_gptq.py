@@ -7,8 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hub_factory import (
+    awq_pack_cols,
+    expected_dense,
+    gptq_pack_cols,
+    gptq_pack_rows,
+    known_layer,
+    make_hub_checkpoint,
+)
 
-from hub_factory import awq_pack_cols, expected_dense, gptq_pack_cols, gptq_pack_rows, known_layer, make_hub_checkpoint
 from sluice.errors import ModelLoadError
 from sluice.kernels.qweight import QuantWeight
 from sluice.models.loader import resolve_model
