@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from sluice.errors import InvalidRequestError
+from sluice.errors import InvalidRequestError, SluiceError, from_parts
 
 __all__ = [
     "SamplingParams",
@@ -24,6 +24,7 @@ __all__ = [
     "EngineOutput",
     "EngineStats",
     "EngineCoreOutputs",
+    "EngineError",
     "FinishReason",
 ]
 
@@ -134,6 +135,24 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]  # (token_id, logprob), best first
 
 
+class EngineError(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A ``SluiceError`` as it crosses the process boundary; ``to_exception`` rebuilds it."""
+
+    type: str  # SluiceError.error_type
+    message: str
+    code: str | None = None
+    param: str | None = None
+    retry_after: float | None = None  # seconds, for 429 / 503
+
+    @classmethod
+    def from_exception(cls, e: SluiceError) -> EngineError:
+        return cls(type=e.error_type, message=e.message, code=e.code, param=e.param,
+                   retry_after=getattr(e, "retry_after", None))  # fmt: skip
+
+    def to_exception(self) -> SluiceError:
+        return from_parts(self.type, self.message, code=self.code, param=self.param, retry_after=self.retry_after)
+
+
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -146,7 +165,7 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_generated_tokens: int = 0  # total so far
     num_preemptions: int = 0
     timings: RequestTimings | None = None  # set when finished (and on the first token)
-    error: str | None = None  # engine-side rejection (e.g. prompt too long)
+    error: EngineError | None = None  # engine-side rejection (e.g. prompt too long)
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

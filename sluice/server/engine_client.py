@@ -24,7 +24,13 @@ import zmq
 
 from sluice.engine.config import EngineConfig, ModelInfo
 from sluice.engine.protocol import EngineAbort, EngineOutput, EngineRequest, EngineStats
-from sluice.errors import EngineDeadError, ModelLoadError, ServiceUnavailableError, SluiceError
+from sluice.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ModelLoadError,
+    ServiceUnavailableError,
+    SluiceError,
+)
 from sluice.server.engine_proc import default_engine_factory, run_engine_core
 from sluice.server.ipc import Decoders, IpcPaths, Kind, encode
 
@@ -237,17 +243,13 @@ class EngineClient:
             self.model_info = dec.ready.decode(payload)
             self.ready.set()
         elif kind == Kind.ERROR:
-            self.start_error = dec.error.decode(payload)
+            self.start_error = dec.error.decode(payload).message
             log.error("engine core failed to start: %s", self.start_error)
             self.ready.set()
 
 
 def engine_error(out: EngineOutput) -> SluiceError:
-    """Map an engine-side rejection (``EngineOutput.error``) back to our error tree."""
-    from sluice.errors import ContextLengthError, InvalidRequestError
-
-    msg = out.error or "rejected by the engine"
-    code, _, text = msg.partition(": ")
-    if code == "context_length_exceeded":
-        return ContextLengthError(text or msg)
-    return InvalidRequestError(text or msg)
+    """An engine-side rejection (``EngineOutput.error``) back in our error tree."""
+    if out.error is None:
+        return InvalidRequestError("rejected by the engine")
+    return out.error.to_exception()

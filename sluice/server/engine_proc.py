@@ -25,8 +25,8 @@ from typing import Any
 import zmq
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.protocol import EngineCoreOutputs, EngineOutput, FinishReason
-from sluice.errors import SluiceError
+from sluice.engine.protocol import EngineCoreOutputs, EngineError, EngineOutput, FinishReason
+from sluice.errors import ModelLoadError, SluiceError
 from sluice.server.ipc import Decoders, Kind, encode
 
 __all__ = ["run_engine_core", "default_engine_factory"]
@@ -67,12 +67,9 @@ def run_engine_core(
     push.connect(output_addr)
     try:
         engine = engine_factory(config)
-    except SluiceError as e:
-        push.send_multipart(encode(Kind.ERROR, e.message))
-        push.close()
-        sys.exit(3)
     except Exception as e:  # noqa: BLE001 -- reported to the API process as one line
-        push.send_multipart(encode(Kind.ERROR, f"{type(e).__name__}: {e}"))
+        err = e if isinstance(e, SluiceError) else ModelLoadError(f"{type(e).__name__}: {e}")
+        push.send_multipart(encode(Kind.ERROR, EngineError.from_exception(err)))
         push.close()
         sys.exit(3)
     push.send_multipart(encode(Kind.READY, engine.model_info))
@@ -120,11 +117,10 @@ def run_engine_core(
 
 
 def _rejection(request_id: str, e: SluiceError) -> EngineOutput:
-    code = e.code or e.error_type
     return EngineOutput(
         request_id=request_id,
         new_token_ids=[],
         finished=True,
         finish_reason=FinishReason.ABORT,
-        error=f"{code}: {e.message}",
+        error=EngineError.from_exception(e),
     )

@@ -8,7 +8,7 @@ frames: a one-byte kind and a msgspec-msgpack payload::
                     b"A"  EngineAbort             abort
     engine -> API   b"O"  EngineCoreOutputs       one per engine step (+ stats)
                     b"Y"  ModelInfo               ready: the model is loaded
-                    b"E"  str                     start-up failed (one readable line)
+                    b"E"  EngineError             start-up failed (one readable line)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 
 from sluice.engine.config import ModelInfo
-from sluice.engine.protocol import EngineAbort, EngineCoreOutputs, EngineRequest
+from sluice.engine.protocol import EngineAbort, EngineCoreOutputs, EngineError, EngineRequest
 
 __all__ = ["IpcPaths", "Kind", "encode", "Decoders"]
 
@@ -68,4 +68,4 @@ class Decoders:
         self.abort = msgspec.msgpack.Decoder(EngineAbort)
         self.outputs = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.ready = msgspec.msgpack.Decoder(ModelInfo)
-        self.error = msgspec.msgpack.Decoder(str)
+        self.error = msgspec.msgpack.Decoder(EngineError)
