@@ -3,7 +3,7 @@
     python benchmarks/gateway.py                 # fake replicas only (~20 s)
     python benchmarks/gateway.py --real          # + two real SmolLM2 `sluice serve` replicas
 
-Part 1 runs two fast fake replicas (``sluice.gateway.fake_backend``) and one
+Part 1 runs two fast fake replicas (``sluice.bench.fake_server``) and one
 ``sluice gateway`` process, each its own process on 127.0.0.1:
 
   * added latency: the same sequential streamed request straight to a replica
@@ -89,7 +89,7 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
 def _start_fake(procs: list[subprocess.Popen], chunks: int) -> str:
     port = _free_port()
     p = subprocess.Popen(
-        [PY, "-m", "sluice.gateway.fake_backend", "--port", str(port), "--chunks", str(chunks)],
+        [PY, "-m", "sluice.bench.fake_server", "--port", str(port), "--output-tokens", str(chunks)],
         stdout=subprocess.DEVNULL,
     )
     procs.append(p)
@@ -287,7 +287,7 @@ def main() -> None:
     write_section(
         "gateway",
         "## Gateway (`benchmarks/gateway.py`)\n\n"
-        f"{machine_line()}. Fake replicas: `sluice.gateway.fake_backend`, 4 SSE chunks per answer; "
+        f"{machine_line()}. Fake replicas: `sluice.bench.fake_server`, 4 SSE chunks per answer; "
         "the load generator, two fake replicas and the gateway share the machine's cores. "
         f"Real replicas: SmolLM2-135M Q4_1, {args.real_requests} requests over {args.prefixes} shared prefixes, "
         f"--kv-cache-memory {args.kv_cache_memory} each.\n\n" + table,

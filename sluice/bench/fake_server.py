@@ -1,8 +1,9 @@
-"""A fake OpenAI-compatible server with known behaviour, for tests and client benchmarks.
+"""The one fake OpenAI-compatible server, for the bench's, the gateway's and the
+server's tests and for client benchmarks (torch-free, model-free).
 
-Torch-free and model-free: it streams ``max_tokens`` words back at a set pace,
-so a load generator's measurements can be checked against known settings.
-Reused by the bench, gateway and server tests.  Run it as::
+It streams ``tok0 tok1 ...`` back at a set pace, so a load generator's
+measurements can be checked against known settings, and it misbehaves on
+demand, so a gateway's failure handling can be.  Run it as::
 
     python -m sluice.bench.fake_server --port 8001 --ttft-ms 50 --tokens-per-s 100 \\
         --error-rate 0.01 --midstream-failure-rate 0.01 --knee-concurrency 32 --knee-ttft-ms 20
@@ -12,12 +13,14 @@ In-process (tests)::
 
     with FakeServerThread(FakeConfig(ttft_ms=50)) as url: ...   # own thread and event loop
     server = FakeServer(cfg); url = await server.start(); ...; await server.stop()
+    server.config.fault = "hang"                                  # misbehave from now on
 
 Behaviour (``FakeConfig``):
 
 - ``POST /v1/chat/completions`` and ``/v1/completions``, streaming (SSE, with a
   ``usage`` chunk when ``stream_options.include_usage``) or not; ``GET /v1/models``,
-  ``GET /health``.
+  ``GET /health`` (``health_status``), ``GET /metrics`` (sluice names:
+  ``sluice_num_requests_running`` plus the ``metrics`` given).
 - TTFT: the first token is written ``ttft_ms`` after the request arrives, plus
   ``knee_ttft_ms`` for every request in flight beyond ``knee_concurrency``
   (a server whose latency rises past a known load).
@@ -30,8 +33,18 @@ Behaviour (``FakeConfig``):
   stream is cut (``midstream_mode``: ``reset`` aborts the connection,
   ``truncate`` ends the body without ``[DONE]``, ``garbage`` sends a broken
   JSON line).
+- faults on demand (``fault``, may change while it runs)::
+
+      ok           answer normally
+      hang         accept the request and never answer
+      reset        drop the connection before answering
+      broken_sse   stream the first chunk, then drop the connection
+      stall_sse    stream the first chunk, then send nothing more
+      status       answer ``status`` (e.g. 503) with an OpenAI error body and Retry-After: 2
+
 - every response carries ``x-request-id``; ``prompt_tokens`` is the number of
-  whitespace-separated words of the prompt.
+  whitespace-separated words of the prompt.  ``completed`` counts the answers
+  finished per ``x-request-id``, so tests can prove none was lost or doubled.
 """
 
 from __future__ import annotations
@@ -41,7 +54,8 @@ import asyncio
 import contextlib
 import math
 import threading
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -49,10 +63,12 @@ from aiohttp import web
 
 from sluice.bench.aio import run_event_loop
 
-__all__ = ["FakeConfig", "FakeServer", "FakeServerThread", "main"]
+__all__ = ["FakeConfig", "FakeServer", "FakeServerThread", "FAULTS", "main"]
+
+FAULTS = ("ok", "hang", "reset", "broken_sse", "stall_sse", "status")
 
 
-@dataclass(frozen=True)
+@dataclass
 class FakeConfig:
     ttft_ms: float = 0.0
     tokens_per_s: float = 0.0  # 0: write every token at once
@@ -63,6 +79,11 @@ class FakeConfig:
     knee_concurrency: int = 0  # 0: no knee
     knee_ttft_ms: float = 0.0  # extra TTFT per in-flight request beyond the knee
     model: str = "fake-model"
+    name: str = "fake"  # "backend" in every answer: which replica served it
+    fault: str = "ok"  # one of FAULTS; tests flip it while the server runs
+    status: int = 503  # the answer of fault == "status"
+    health_status: int = 200  # GET /health
+    metrics: dict[str, float] = field(default_factory=dict)  # extra /metrics gauges (name -> value)
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "midstream_failure_rate"):
@@ -72,6 +93,8 @@ class FakeConfig:
             raise ValueError("midstream_mode must be reset, truncate or garbage")
         if self.ttft_ms < 0 or self.tokens_per_s < 0 or self.knee_ttft_ms < 0:
             raise ValueError("times and rates must be >= 0")
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {', '.join(FAULTS)}")
 
 
 def _is_hit(n: int, rate: float) -> bool:
@@ -89,19 +112,25 @@ def _chunk(api: str, text: str) -> bytes:
 class FakeServer:
     """The aiohttp application plus its runner; one per test or process."""
 
-    def __init__(self, config: FakeConfig) -> None:
-        self.config = config
+    def __init__(self, config: FakeConfig | None = None) -> None:
+        self.config = config or FakeConfig()
+        self.url = ""
         self.num_requests = 0  # requests received (decides HTTP errors)
         self.num_streams = 0  # requests that were not HTTP errors (decides mid-stream cuts)
         self.num_in_flight = 0
         self.max_in_flight = 0
-        self._token = {api: _chunk(api, "tok ") for api in ("chat", "completions")}
+        self.completed: Counter[str] = Counter()  # x-request-id -> answers finished
+        self.bodies: deque[dict[str, Any]] = deque(maxlen=256)  # the latest request bodies
+        self.headers: deque[dict[str, str]] = deque(maxlen=256)  # ... and their headers (lower-case)
+        self._chunks: dict[str, list[bytes]] = {"chat": [], "completions": []}  # token i's SSE event
+        self._hung: list[asyncio.Event] = []
         self._runner: web.AppRunner | None = None
         self.app = web.Application()
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_post("/v1/completions", self._completions)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/metrics", self._metrics)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
@@ -109,9 +138,12 @@ class FakeServer:
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
         await site.start()
         bound = self._runner.addresses[0][1]
-        return f"http://{host}:{bound}"
+        self.url = f"http://{host}:{bound}"
+        return self.url
 
     async def stop(self) -> None:
+        for ev in self._hung:
+            ev.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -120,7 +152,12 @@ class FakeServer:
         return web.json_response({"object": "list", "data": [{"id": self.config.model, "object": "model"}]})  # fmt: skip
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return web.Response(status=self.config.health_status, text="ok")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        values = {"sluice_num_requests_running": float(self.num_in_flight), **self.config.metrics}
+        lines = [line for name, v in values.items() for line in (f"# TYPE {name} gauge", f"{name} {v}")]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "chat")
@@ -128,8 +165,12 @@ class FakeServer:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "completions")
 
+    async def _hang(self) -> None:
+        ev = asyncio.Event()
+        self._hung.append(ev)
+        await ev.wait()
+
     async def _serve(self, request: web.Request, api: str) -> web.StreamResponse:
-        cfg = self.config
         n = self.num_requests
         self.num_requests += 1
         rid = request.headers.get("x-request-id", f"fake-{n}")
@@ -144,48 +185,82 @@ class FakeServer:
                 prompt = str(body["prompt"])
         except (msgspec.DecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             return _error(400, f"invalid request: {e}", "invalid_request_error", rid)
+        self.bodies.append(body)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        try:
+            return await self._answer(request, api, rid, n, body, prompt, max_tokens)
+        finally:
+            self.num_in_flight -= 1
+
+    async def _answer(
+        self, request: web.Request, api: str, rid: str, n: int, body: dict[str, Any], prompt: str, max_tokens: int
+    ) -> web.StreamResponse:
+        cfg = self.config
+        if cfg.fault in ("hang", "reset"):
+            if cfg.fault == "hang":
+                await self._hang()
+            elif request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError
+        if cfg.fault == "status":
+            return _error(cfg.status, f"fake {cfg.status}", "fake", rid, {"Retry-After": "2"})
         if _is_hit(n, cfg.error_rate):
             return _error(500, "fake server: injected error", "internal_error", rid)
         m = self.num_streams
         self.num_streams += 1
         num_out = cfg.output_tokens if cfg.output_tokens is not None else max_tokens
         num_in = len(prompt.split())
-        self.num_in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
-        try:
-            extra = max(0, self.num_in_flight - cfg.knee_concurrency) * cfg.knee_ttft_ms if cfg.knee_concurrency else 0.0  # fmt: skip
-            if not body.get("stream"):
-                await asyncio.sleep((cfg.ttft_ms + extra) / 1000 + (num_out / cfg.tokens_per_s if cfg.tokens_per_s else 0))  # fmt: skip
-                return web.json_response(_full_response(api, num_in, num_out), headers={"x-request-id": rid})  # fmt: skip
-            cut_at = num_out // 2 if _is_hit(m, cfg.midstream_failure_rate) else None
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, api, rid, num_in, num_out, extra, cut_at, usage)
-        finally:
-            self.num_in_flight -= 1
+        extra = max(0, self.num_in_flight - cfg.knee_concurrency) * cfg.knee_ttft_ms if cfg.knee_concurrency else 0.0  # fmt: skip
+        if not body.get("stream"):
+            await asyncio.sleep((cfg.ttft_ms + extra) / 1000 + (num_out / cfg.tokens_per_s if cfg.tokens_per_s else 0))  # fmt: skip
+            doc = _full_response(api, num_in, num_out, model=body.get("model"), backend=cfg.name)
+            self.completed[rid] += 1
+            return web.json_response(doc, headers={"x-request-id": rid})
+        cut_at = num_out // 2 if _is_hit(m, cfg.midstream_failure_rate) else None
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp, is_complete = await self._stream(request, api, rid, num_in, num_out, extra, cut_at, usage)
+        if is_complete:
+            self.completed[rid] += 1
+        return resp
+
+    def _tokens(self, api: str, start: int, end: int) -> bytes:
+        chunks = self._chunks[api]
+        while len(chunks) < end:  # NOTE(chunk-cache): each token's event is encoded once per server
+            chunks.append(_chunk(api, f"tok{len(chunks)} "))
+        return b"".join(chunks[start:end])
 
     async def _stream(
         self, request: web.Request, api: str, rid: str, num_in: int, num_out: int,
         extra_ms: float, cut_at: int | None, usage: bool,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> tuple[web.StreamResponse, bool]:  # fmt: skip
+        """The SSE answer, and whether it was sent to the end."""
         cfg = self.config
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-request-id": rid})
         await resp.prepare(request)
         delay = (cfg.ttft_ms + extra_ms) / 1000
         if delay > 0:
             await asyncio.sleep(delay)
-        token = self._token[api]
         end = num_out if cut_at is None else cut_at
+        if cfg.fault in ("broken_sse", "stall_sse"):
+            await resp.write(self._tokens(api, 0, 1))
+            if cfg.fault == "stall_sse":
+                await self._hang()
+            elif request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError
         try:
             if cfg.tokens_per_s <= 0:
-                await resp.write(token * end)
+                await resp.write(self._tokens(api, 0, end))
             else:
                 gap = 1.0 / cfg.tokens_per_s
                 for i in range(end):
                     if i:
                         await asyncio.sleep(gap)
-                    await resp.write(token)
+                    await resp.write(self._tokens(api, i, i + 1))
         except ConnectionResetError:  # the client went away (a load test stopping): not an error
-            return resp
+            return resp, False
         if cut_at is not None:
             if cfg.midstream_mode == "reset":
                 if request.transport is not None:
@@ -194,30 +269,31 @@ class FakeServer:
             if cfg.midstream_mode == "garbage":
                 await resp.write(b"data: {not json\n\n")
             await resp.write_eof()
-            return resp
+            return resp, False
         tail = b""
         if usage:
             u = {"object": "chunk", "choices": [], "usage": {"prompt_tokens": num_in, "completion_tokens": num_out, "total_tokens": num_in + num_out}}  # fmt: skip
             tail = b"data: " + msgspec.json.encode(u) + b"\n\n"
         await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp
+        return resp, True
 
 
-def _error(status: int, message: str, kind: str, rid: str) -> web.Response:
+def _error(status: int, message: str, kind: str, rid: str, headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return web.json_response(body, status=status, headers={"x-request-id": rid})
+    return web.json_response(body, status=status, headers={"x-request-id": rid, **(headers or {})})
 
 
-def _full_response(api: str, num_in: int, num_out: int) -> dict[str, Any]:
-    text = "tok " * num_out
+def _full_response(api: str, num_in: int, num_out: int, *, model: Any = None, backend: str = "fake") -> dict[str, Any]:
+    text = "".join(f"tok{i} " for i in range(num_out))
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
     if api == "chat":
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     usage = {"prompt_tokens": num_in, "completion_tokens": num_out, "total_tokens": num_in + num_out}
-    return {"object": "chat.completion" if api == "chat" else "text_completion", "choices": [choice], "usage": usage}  # fmt: skip
+    return {"object": "chat.completion" if api == "chat" else "text_completion", "model": model,
+            "backend": backend, "choices": [choice], "usage": usage}  # fmt: skip
 
 
 class FakeServerThread:

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import uvicorn
 
+from sluice.bench.fake_server import FakeConfig, FakeServer
 from sluice.gateway.app import build_app
 from sluice.gateway.config import GatewayConfig, load_config
-from sluice.gateway.fake_backend import Behavior, FakeBackend
 
 
 class FakeClock:
@@ -77,8 +77,10 @@ async def serve_gateway(config: GatewayConfig, **kwargs: Any) -> AsyncIterator[t
 
 
 @contextlib.asynccontextmanager
-async def fake_backends(n: int, **behavior: Any) -> AsyncIterator[list[FakeBackend]]:
-    fakes = [FakeBackend(name=f"b{i}", behavior=Behavior(**behavior)) for i in range(n)]
+async def fake_backends(n: int, **config: Any) -> AsyncIterator[list[FakeServer]]:
+    """``n`` fake replicas named b0, b1, ... answering 4 tokens unless ``config`` says otherwise."""
+    config.setdefault("output_tokens", 4)
+    fakes = [FakeServer(FakeConfig(name=f"b{i}", **config)) for i in range(n)]
     try:
         for f in fakes:
             await f.start()

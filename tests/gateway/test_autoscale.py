@@ -5,14 +5,15 @@ stops (fake launcher over in-process fake replicas)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
+from sluice.bench.fake_server import FakeConfig, FakeServer
 from sluice.gateway.autoscale import Autoscaler, ScaleState, decide
 from sluice.gateway.config import AutoscaleConfig, LauncherName
-from sluice.gateway.fake_backend import Behavior, FakeBackend
 from sluice.gateway.launchers.base import LaunchedReplica, Launcher, ReplicaSpec
 from tests.gateway.conftest import gateway_config, serve_gateway
 
@@ -84,14 +85,14 @@ class FakeLauncher(Launcher):
 
     name = LauncherName.LOCAL
 
-    def __init__(self, behavior: Behavior | None = None):
-        self.behavior = behavior
-        self.fakes: dict[str, FakeBackend] = {}
+    def __init__(self, config: FakeConfig | None = None):
+        self.config = config or FakeConfig(output_tokens=4)
+        self.fakes: dict[str, FakeServer] = {}
         self.running: dict[str, LaunchedReplica] = {}
         self.in_flight_at_stop: list[int] = []
 
     async def launch(self, spec: ReplicaSpec) -> LaunchedReplica:
-        fake = FakeBackend(name=f"auto{len(self.fakes)}", behavior=self.behavior or Behavior())
+        fake = FakeServer(dataclasses.replace(self.config, name=f"auto{len(self.fakes)}"))
         url = await fake.start()
         self.fakes[url] = fake
         lr = LaunchedReplica(id=url, url=url, spec=spec)
@@ -109,9 +110,9 @@ class FakeLauncher(Launcher):
 
 
 async def test_controller_scales_up_and_drains_a_replica_before_stopping_it() -> None:
-    static = FakeBackend(name="static", behavior=Behavior(chunk_delay_s=0.0))
+    static = FakeServer(FakeConfig(name="static", output_tokens=4))
     await static.start()
-    launcher = FakeLauncher(Behavior(num_chunks=6, chunk_delay_s=0.1))
+    launcher = FakeLauncher(FakeConfig(output_tokens=6, tokens_per_s=10))
     cfg = gateway_config([static.url], policy="round_robin")
     auto_cfg = AutoscaleConfig(model_path="m", min_replicas=1, max_replicas=3, up_cooldown_s=0, down_cooldown_s=0)
     try:
@@ -151,7 +152,7 @@ async def test_controller_scales_up_and_drains_a_replica_before_stopping_it() ->
 
 
 async def test_controller_tick_launches_up_to_min_replicas_and_logs_the_decision() -> None:
-    static = FakeBackend(name="static")
+    static = FakeServer(FakeConfig(name="static", output_tokens=4))
     await static.start()
     launcher = FakeLauncher()
     cfg = gateway_config([static.url])

@@ -107,7 +107,7 @@ async def test_level_2_sends_p1_and_p2_to_the_fallback_and_keeps_p0(tmp_path: Pa
             assert got == {"p0": {primary.url}, "p1": {light.url}, "p2": {light.url}}, (
                 f"level 2 must move p1/p2 to the fallback and keep p0 on the primary: {got}"
             )
-            light.behavior.health_status = 503
+            light.config.health_status = 503
             for r_ in app.state.gateway.pool.version("m", "light").replicas:
                 for _ in range(3):
                     r_.health.record_probe(False, "down")
@@ -140,7 +140,7 @@ async def test_level_3_sheds_p2_then_p1_with_retry_after_and_p0_last(tmp_path: P
             metrics = (await http.get(url + "/metrics")).text
             assert _metric(metrics, "sluice_gateway_degraded_requests_total", action="shed", priority="p2") == 1.0
             assert _metric(metrics, "sluice_gateway_degradation_level", model="m") == 3.0
-            received = fake.num_received
+            received = fake.num_requests
             assert received == 3, f"shed requests must never reach the replica ({received} arrived)"
 
 

@@ -19,8 +19,8 @@ def _body(stream: bool = False, prompt: str = "hello") -> dict:
 
 async def test_failover_before_first_byte(http: httpx.AsyncClient) -> None:
     async with fake_backends(3) as fakes:
-        fakes[0].behavior.mode = "reset"
-        fakes[1].behavior.mode = "status"  # 503
+        fakes[0].config.fault = "reset"
+        fakes[1].config.fault = "status"  # 503
         cfg = gateway_config([f.url for f in fakes], policy="round_robin", retry={"max_attempts": 3})
         async with serve_gateway(cfg) as (url, _):
             for i in range(6):
@@ -32,7 +32,7 @@ async def test_failover_before_first_byte(http: httpx.AsyncClient) -> None:
 
 async def test_no_retry_after_the_first_byte(http: httpx.AsyncClient) -> None:
     async with fake_backends(2) as fakes:
-        fakes[0].behavior.mode = "broken_sse"
+        fakes[0].config.fault = "broken_sse"
         cfg = gateway_config([f.url for f in fakes], policy="round_robin")
         async with (
             serve_gateway(cfg) as (url, _),
@@ -43,14 +43,14 @@ async def test_no_retry_after_the_first_byte(http: httpx.AsyncClient) -> None:
             events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
         assert json.loads(events[0][6:])["choices"][0]["text"] == "tok0 ", "the first chunk reached the client"
         assert "error" in json.loads(events[-1][6:]), f"a broken stream must end with an error event: {events}"
-        assert fakes[1].num_received == 0, "a request that already streamed must never be sent again (duplicate output)"
+        assert fakes[1].num_requests == 0, "a request that already streamed must never be sent again (duplicate output)"
 
 
 async def test_keeps_answering_with_hanging_resetting_and_broken_backends(http: httpx.AsyncClient) -> None:
     async with fake_backends(4) as fakes:
-        fakes[0].behavior.mode = "hang"
-        fakes[1].behavior.mode = "reset"
-        fakes[2].behavior.mode = "broken_sse"
+        fakes[0].config.fault = "hang"
+        fakes[1].config.fault = "reset"
+        fakes[2].config.fault = "broken_sse"
         cfg = gateway_config(
             [f.url for f in fakes],
             policy="least_load",
@@ -81,8 +81,8 @@ async def test_keeps_answering_with_hanging_resetting_and_broken_backends(http: 
 async def test_breaker_opens_half_opens_and_closes(http: httpx.AsyncClient) -> None:
     async with fake_backends(2) as fakes:
         bad = fakes[0]
-        bad.behavior.mode = "status"
-        bad.behavior.status = 500
+        bad.config.fault = "status"
+        bad.config.status = 500
         cfg = gateway_config(
             [f.url for f in fakes],
             policy="round_robin",
@@ -94,11 +94,11 @@ async def test_breaker_opens_half_opens_and_closes(http: httpx.AsyncClient) -> N
                 r = await http.post(url + "/v1/completions", json=_body())
                 assert r.status_code == 200, "failures at one replica must be hidden by retries"
             assert replica.breaker.state is BreakerState.OPEN, "a replica failing every request must be opened"
-            received = bad.num_received
+            received = bad.num_requests
             for _ in range(4):
                 await http.post(url + "/v1/completions", json=_body())
-            assert bad.num_received == received, "an open breaker must keep traffic away"
-            bad.behavior.mode = "ok"
+            assert bad.num_requests == received, "an open breaker must keep traffic away"
+            bad.config.fault = "ok"
             await asyncio.sleep(1.1)
             assert replica.breaker.state is BreakerState.HALF_OPEN, "after open_s the breaker half-opens"
             for _ in range(6):
@@ -110,26 +110,26 @@ async def test_breaker_opens_half_opens_and_closes(http: httpx.AsyncClient) -> N
 
 async def test_all_open_answers_503_with_retry_after_at_once(http: httpx.AsyncClient) -> None:
     async with fake_backends(1) as fakes:
-        fakes[0].behavior.mode = "status"
-        fakes[0].behavior.status = 502
+        fakes[0].config.fault = "status"
+        fakes[0].config.status = 502
         cfg = gateway_config([fakes[0].url], breaker={"min_requests": 3, "open_s": 30})
         async with serve_gateway(cfg) as (url, _):
             for _ in range(3):
                 r = await http.post(url + "/v1/completions", json=_body())
                 assert r.status_code == 502, "with no other replica, the replica's own error goes back"
                 assert r.headers.get("retry-after") == "2", "the replica's Retry-After must reach the client"
-            received = fakes[0].num_received
+            received = fakes[0].num_requests
             t0 = time.monotonic()
             r = await http.post(url + "/v1/completions", json=_body())
             assert time.monotonic() - t0 < 1.0, "with every breaker open the answer must come at once"
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica", r.text
             assert 1 <= int(r.headers["retry-after"]) <= 30, "Retry-After must say when a probe is due"
-            assert fakes[0].num_received == received, "nothing may be sent to an open replica"
+            assert fakes[0].num_requests == received, "nothing may be sent to an open replica"
             assert (await http.get(url + "/health")).status_code == 503
 
 
 async def test_no_request_lost_or_duplicated_when_a_replica_dies(http: httpx.AsyncClient) -> None:
-    async with fake_backends(3, chunk_delay_s=0.002) as fakes:
+    async with fake_backends(3, tokens_per_s=500) as fakes:
         cfg = gateway_config([f.url for f in fakes], policy="least_load", retry={"max_attempts": 3})
         async with serve_gateway(cfg) as (url, _):
 
@@ -139,7 +139,7 @@ async def test_no_request_lost_or_duplicated_when_a_replica_dies(http: httpx.Asy
                 return r.status_code, rid
 
             first = await asyncio.gather(*(one(i) for i in range(30)))
-            fakes[1].behavior.mode = "reset"  # dies mid-run
+            fakes[1].config.fault = "reset"  # dies mid-run
             second = await asyncio.gather(*(one(i) for i in range(30, 80)))
         results = first + second
         assert all(s == 200 for s, _ in results), f"every request must succeed: {Counter(s for s, _ in results)}"
@@ -150,7 +150,7 @@ async def test_no_request_lost_or_duplicated_when_a_replica_dies(http: httpx.Asy
 
 async def test_unhealthy_replica_is_taken_out_and_probed_back(http: httpx.AsyncClient) -> None:
     async with fake_backends(2) as fakes:
-        fakes[0].behavior.health_status = 503
+        fakes[0].config.health_status = 503
         cfg = gateway_config([f.url for f in fakes], policy="round_robin")
         async with serve_gateway(cfg) as (url, app):
             replica = next(r for r in app.state.gateway.pool.replicas() if r.url == fakes[0].url)
@@ -162,7 +162,7 @@ async def test_unhealthy_replica_is_taken_out_and_probed_back(http: httpx.AsyncC
             for _ in range(4):
                 r = await http.post(url + "/v1/completions", json=_body())
                 assert r.headers["x-sluice-replica"] == fakes[1].url, "a down replica gets no traffic"
-            fakes[0].behavior.health_status = 200
+            fakes[0].config.health_status = 200
             for _ in range(50):
                 if replica.health.is_up:
                     break
@@ -174,7 +174,7 @@ async def test_unhealthy_replica_is_taken_out_and_probed_back(http: httpx.AsyncC
 
 async def test_a_stream_that_stalls_mid_way_ends_with_an_error(http: httpx.AsyncClient) -> None:
     async with fake_backends(1) as fakes:
-        fakes[0].behavior.mode = "stall_sse"
+        fakes[0].config.fault = "stall_sse"
         cfg = gateway_config([fakes[0].url], timeouts={"idle_s": 0.3})
         async with serve_gateway(cfg) as (url, app):
             t0 = time.monotonic()
@@ -186,6 +186,6 @@ async def test_a_stream_that_stalls_mid_way_ends_with_an_error(http: httpx.Async
             )
             replica = next(iter(app.state.gateway.pool.replicas()))
             assert replica.num_inflight == 0, "a cut stream must release its load count"
-            fakes[0].behavior.mode = "ok"
+            fakes[0].config.fault = "ok"
             r = await http.post(url + "/v1/completions", json=_body())
             assert r.status_code == 200, "the gateway must keep answering after a stalled stream"

@@ -1,6 +1,6 @@
 """Launchers: core assignment (pure), NUMA discovery, the pin wrapper, and the
 local launcher's process life cycle (launch, pinning, crash restart with
-backoff, stop) on fake replica processes (``python -m sluice.gateway.fake_backend``)."""
+backoff, stop) on fake replica processes (``python -m sluice.bench.fake_server``)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_serve_argv_and_factory() -> None:
 
 
 def _fake_argv(spec: ReplicaSpec, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "sluice.gateway.fake_backend", "--host", host, "--port", str(port)]
+    return [sys.executable, "-m", "sluice.bench.fake_server", "--host", host, "--port", str(port)]
 
 
 def _affinity(pid: int) -> set[int]:

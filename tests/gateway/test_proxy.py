@@ -20,14 +20,14 @@ async def test_forwards_completion_and_tags_replica(http: httpx.AsyncClient) -> 
         assert r.json()["choices"][0]["text"].startswith("tok0"), "the replica's body must pass through unchanged"
         assert r.headers["x-request-id"] == "rid-1", "x-request-id must be echoed to the client"
         assert r.headers["x-sluice-replica"] in {f.url for f in fakes}, "x-sluice-replica must name the replica"
-        served = [f for f in fakes if f.num_received]
+        served = [f for f in fakes if f.num_requests]
         assert len(served) == 1 and served[0].headers[0]["x-request-id"] == "rid-1", (
             "exactly one replica must get the request, with the client's x-request-id"
         )
 
 
 async def test_streams_sse_chunks_through(http: httpx.AsyncClient) -> None:
-    async with fake_backends(1, num_chunks=5) as fakes, serve_gateway(gateway_config([fakes[0].url])) as (url, _):
+    async with fake_backends(1, output_tokens=5) as fakes, serve_gateway(gateway_config([fakes[0].url])) as (url, _):
         async with http.stream("POST", url + "/v1/chat/completions", json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
         }) as r:
@@ -80,7 +80,7 @@ async def test_bad_input_gets_openai_errors(http: httpx.AsyncClient, tmp_path) -
             assert r.status_code == want, f"expected {want}, got {r.status_code}: {r.text}"
             err = r.json()["error"]
             assert err["message"] and err["type"], f"errors must be OpenAI-shaped: {r.text}"
-        assert fakes[0].num_received == 0, "rejected requests must never reach a replica"
+        assert fakes[0].num_requests == 0, "rejected requests must never reach a replica"
         r = await http.get(url + "/admin/replicas", headers={"authorization": "Bearer sk-admin"})
         assert r.status_code == 200 and r.json()["replicas"][0]["url"] == fakes[0].url, r.text
 
@@ -105,7 +105,7 @@ async def test_metrics_and_models_endpoints(http: httpx.AsyncClient) -> None:
 async def test_client_disconnect_stops_the_replica_stream(http: httpx.AsyncClient) -> None:
     import asyncio
 
-    async with fake_backends(1, num_chunks=50, chunk_delay_s=0.05) as fakes, serve_gateway(
+    async with fake_backends(1, output_tokens=50, tokens_per_s=20) as fakes, serve_gateway(
         gateway_config([fakes[0].url])
     ) as (url, app):
         async with http.stream("POST", url + "/v1/completions", json=_completion(stream=True)) as r:
@@ -153,7 +153,7 @@ async def test_oversized_body_is_refused_with_413(http: httpx.AsyncClient) -> No
         r = await http.post(url + "/v1/completions", json=_completion(prompt="x" * 2000), headers={"x-request-id": "big"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
         assert r.headers["x-request-id"] == "big", "x-request-id must be echoed on errors too"
-        assert fakes[0].num_received == 0, "an oversized request must not reach a replica"
+        assert fakes[0].num_requests == 0, "an oversized request must not reach a replica"
 
 
 async def test_rate_limited_key_gets_429_with_retry_after(http: httpx.AsyncClient, tmp_path) -> None:
@@ -167,4 +167,4 @@ async def test_rate_limited_key_gets_429_with_retry_after(http: httpx.AsyncClien
         r = await http.post(url + "/v1/completions", json=_completion(), headers=auth)
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
         assert int(r.headers["retry-after"]) >= 1, "a rate-limited client must be told when to retry"
-        assert fakes[0].num_received == 1, "a rate-limited request must not reach a replica"
+        assert fakes[0].num_requests == 1, "a rate-limited request must not reach a replica"

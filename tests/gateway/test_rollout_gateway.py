@@ -42,7 +42,7 @@ def _two_versions(stable: str, canary: str, **overrides: object) -> object:
 
 async def test_a_5xx_canary_is_rolled_back_within_a_window_and_no_request_is_lost(tmp_path: Path) -> None:
     async with fake_backends(2) as (stable, canary):
-        canary.behavior.mode, canary.behavior.status = "status", 503
+        canary.config.fault, canary.config.status = "status", 503
         cfg = _two_versions(stable.url, canary.url)
         async with serve_gateway(cfg, keys=_keys(tmp_path)) as (url, app), httpx.AsyncClient(timeout=10) as http:
             t0 = time.monotonic()
@@ -70,10 +70,10 @@ async def test_a_5xx_canary_is_rolled_back_within_a_window_and_no_request_is_los
             assert event.canary.num_requests <= cfg.rollout.min_requests + 10, (
                 "the rollback must come as soon as the canary has min_requests attempts (plus one batch in flight)"
             )
-            received = canary.num_received
+            received = canary.num_requests
             for _ in range(10):
                 await one(1)
-            assert canary.num_received == received, "a rolled back canary must get no new request"
+            assert canary.num_requests == received, "a rolled back canary must get no new request"
 
             view = (await http.get(url + "/admin/rollout", headers=ADMIN)).json()
             ev = view["events"][0]
@@ -87,7 +87,7 @@ async def test_a_5xx_canary_is_rolled_back_within_a_window_and_no_request_is_los
 
 
 async def test_post_admin_rollout_changes_shares_live_without_dropping_requests(tmp_path: Path) -> None:
-    async with fake_backends(2, chunk_delay_s=0.02) as (stable, canary):
+    async with fake_backends(2, tokens_per_s=50) as (stable, canary):
         cfg = _two_versions(stable.url, canary.url)
         async with serve_gateway(cfg, keys=_keys(tmp_path)) as (url, app), httpx.AsyncClient(timeout=10) as http:
             pool = app.state.gateway.pool
@@ -121,10 +121,10 @@ async def test_post_admin_rollout_changes_shares_live_without_dropping_requests(
             await asyncio.sleep(0.3)
             r = await post({"model": "m", "shares": {"stable": 0, "canary": 100}})
             assert r.status_code == 200 and r.json()["models"]["m"]["versions"]["canary"]["share"] == 100
-            before = canary.num_received, stable.num_received
+            before = canary.num_requests, stable.num_requests
             await asyncio.sleep(0.5)
-            assert stable.num_received - before[1] <= 4, "after the change only requests already routed hit stable"
-            assert canary.num_received > before[0]
+            assert stable.num_requests - before[1] <= 4, "after the change only requests already routed hit stable"
+            assert canary.num_requests > before[0]
             await post({"model": "m", "shares": {"stable": 100, "canary": 0}})
             await asyncio.sleep(0.3)
             stop.set()

@@ -11,7 +11,7 @@ from tests.gateway.conftest import fake_backends, gateway_config
 
 async def test_scrape_feeds_load_breaker_and_health() -> None:
     async with fake_backends(1) as fakes, aiohttp.ClientSession() as session:
-        fakes[0].behavior.metrics = {
+        fakes[0].config.metrics = {
             "sluice_num_requests_waiting": 5,
             "sluice_kv_cache_usage_ratio": 0.9,
             "sluice_host_cpu_utilization_ratio": 0.5,
@@ -27,7 +27,7 @@ async def test_scrape_feeds_load_breaker_and_health() -> None:
         assert live.scraped_at is not None and live.health.is_up
         assert gone.scraped_at is None and gone.scrape_error, "an unreachable replica records why"
         assert not gone.health.is_up, "a replica that refuses /health must be taken out"
-        fakes[0].behavior.metrics = {"sluice_num_requests_waiting": 1}
+        fakes[0].config.metrics = {"sluice_num_requests_waiting": 1}
         await scraper.step()
         assert live.load.num_waiting == 5, "scrapes happen at most every scrape_interval"
         scraper._last_scrape -= cfg.scrape_interval
