@@ -6,14 +6,13 @@ failures happen before the first byte and are retried on the stable version);
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
 from sluice.auth import KeyStore
-from tests.gateway.conftest import fake_backends, gateway_config, serve_gateway
+from tests.gateway.conftest import FakeClock, fake_backends, gateway_config, serve_gateway
 
 ADMIN = {"authorization": "Bearer sk-admin"}
 USER = {"authorization": "Bearer sk-user"}
@@ -40,12 +39,15 @@ def _two_versions(stable: str, canary: str, **overrides: object) -> object:
     )  # fmt: skip
 
 
-async def test_a_5xx_canary_is_rolled_back_within_a_window_and_no_request_is_lost(tmp_path: Path) -> None:
+async def test_a_5xx_canary_is_rolled_back_within_a_window_and_no_request_is_lost(
+    tmp_path: Path, clock: FakeClock
+) -> None:
     async with fake_backends(2) as (stable, canary):
         canary.config.fault, canary.config.status = "status", 503
         cfg = _two_versions(stable.url, canary.url)
-        async with serve_gateway(cfg, keys=_keys(tmp_path)) as (url, app), httpx.AsyncClient(timeout=10) as http:
-            t0 = time.monotonic()
+        async with serve_gateway(cfg, keys=_keys(tmp_path), clock=clock) as (url, app), \
+                httpx.AsyncClient(timeout=10) as http:  # fmt: skip
+            t0 = clock()
             body = {"model": "m", "prompt": "hello", "max_tokens": 8}
 
             async def one(i: int) -> tuple[int, str]:
@@ -60,7 +62,8 @@ async def test_a_5xx_canary_is_rolled_back_within_a_window_and_no_request_is_los
             results = []
             for batch in range(8):
                 results += await asyncio.gather(*(one(batch * 10 + i) for i in range(10)))
-            elapsed = time.monotonic() - t0
+                clock.advance(0.1)  # a batch every 100 ms of gateway time
+            elapsed = clock() - t0
             assert Counter(s for s, _ in results) == {200: 80}, f"no request may be lost to the canary: {results}"
             assert {rep for _, rep in results} == {stable.url}, "every answer must come from the stable version"
             gw = app.state.gateway
