@@ -106,3 +106,12 @@ def test_cli_reports_bad_flag_without_traceback() -> None:
     assert r.returncode == 2, "a configuration error is a usage error (exit 2)"
     assert r.stderr.strip().startswith("sluice: error: --scheduling-policy"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_scheduling_policy_names_are_the_request_queue_policies() -> None:
+    from sluice.engine.config import SchedulingPolicy
+    from sluice.engine.request_queue import QueuePolicy
+
+    assert {p.value for p in SchedulingPolicy} == {p.value for p in QueuePolicy}, (
+        "--scheduling-policy must accept exactly the queue policies the engine builds"
+    )
