@@ -276,6 +276,17 @@ def _calibrate(
     return out
 
 
+_MODULE_ORDER = {m: i for i, m in enumerate(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
+
+
+def _layer_order(name: str) -> tuple[int, int, str]:
+    """Embedding first, then layer by layer in forward order (q k v o gate up down), then the head."""
+    parts = name.split(".")
+    if name.startswith("model.layers.") and parts[2].isdigit():
+        return (int(parts[2]), _MODULE_ORDER.get(parts[-2], len(_MODULE_ORDER)), name)
+    return (-1 if "embed" in name else 1 << 30, 0, name)
+
+
 def _nbytes(w: QuantWeight | torch.Tensor) -> int:
     return w.nbytes_packed if isinstance(w, QuantWeight) else int(w.numel()) * 4
 
@@ -291,7 +302,8 @@ def _report(
     model_error: dict[str, Any] | None,
 ) -> dict[str, Any]:
     layers: dict[str, dict[str, Any]] = {}
-    for name, w in sd.items():
+    for name in sorted(sd, key=_layer_order):
+        w = sd[name]
         if len(tuple(w.shape)) != 2:
             continue
         quantized = isinstance(w, QuantWeight)
