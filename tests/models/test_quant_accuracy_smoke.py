@@ -1,0 +1,27 @@
+"""Smoke test of benchmarks/quant_accuracy.py on a tiny random model: it runs end to end, scores
+every token once, and the reference path reproduces the float model exactly for 'none'."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.quant_accuracy import main  # noqa: E402
+
+
+def test_quant_accuracy_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", str(tiny_llama_dir), "--tokens", "300", "--window", "128", "--prompts", "3", "--prompt-len", "8", "--gen", "6",
+            "--paths", "none,int8,int4:g64", "--no-doc", "--reference", "--threads", "1"]  # fmt: skip
+    result = main(args)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["benchmark"] == "quant_accuracy", "the last stdout line is the JSON result"
+    assert result["tokens"] == 299, "every token after the first is scored exactly once"
+    by = {p["path"]: p for p in result["paths"]}
+    assert by["none"]["kl"] == 0.0 and by["none"]["greedy_identical"] == 1.0 and by["none"]["ppl_change_pct"] == 0.0
+    assert by["int8"]["kl"] < by["int4:g64"]["kl"], "int8 must be closer to the reference than int4"
+    assert 0 < by["int4:g64"]["weights_mb"] < by["none"]["weights_mb"]
