@@ -30,10 +30,11 @@ def _register_all() -> None:
     from sluice.engine import cli as engine_cli
     from sluice.engine import doctor as engine_doctor
     from sluice.gateway import cli as gateway_cli
+    from sluice.models import cli as models_cli
     from sluice.obs import cli as obs_cli
     from sluice.server import cli as server_cli
 
-    for mod in (engine_cli, server_cli, gateway_cli, bench_cli):
+    for mod in (engine_cli, server_cli, gateway_cli, bench_cli, models_cli):
         mod.register(app)
     obs_cli.register(app, probes=[engine_doctor.report])  # obs knows no engine: the probe is handed in
 
