@@ -57,6 +57,7 @@ class Path_:
     quantization: str  # 'auto' | 'int8' | 'int4' | ... ('none' for the reference)
     group_size: int | None
     fallback: str  # 'auto' | 'none' | patterns
+    kl_bound: float | None = None  # auto fallback bound, from 'auto@0.05'
 
     @classmethod
     def parse(cls, spec: str) -> Path_:
@@ -66,14 +67,19 @@ class Path_:
         fb = next((p for p in parts[1:] if not (p.startswith("g") and p[1:].lstrip("-").isdigit())), "none")
         if mode not in ("auto", "none", "int8", "int4", "gguf", "awq", "gptq", "sluice"):
             raise SystemExit(f"--paths: unknown mode in {spec!r}")
-        return cls(spec, mode, group, fb)
+        bound = None
+        if fb.startswith("auto@"):
+            fb, bound = "auto", float(fb.split("@", 1)[1])
+        return cls(spec, mode, group, fb, bound)
 
     @property
     def target_key(self) -> str:
         if self.quantization in ("auto", "gguf", "awq", "gptq", "sluice"):
             return "native"
         g = self.group_size or 32
-        return f"{self.quantization}:auto" if (self.fallback == "auto" and g == 32) else (self.quantization if self.quantization == "int8" else "")
+        if self.fallback == "auto" and g == 32 and self.kl_bound is None:
+            return f"{self.quantization}:auto"
+        return self.quantization if self.quantization == "int8" else ""
 
 
 def engine_has_quantization() -> bool:
@@ -93,7 +99,8 @@ class Runner:
 
         self.path = path
         # the report (bytes, layers kept float) comes from the same loader the engine uses
-        sd, self.report = load_quantized_weights(resolve_model(model), path.quantization, path.fallback, group_size=path.group_size)
+        extra = {} if path.kl_bound is None else {"kl_bound": path.kl_bound}
+        sd, self.report = load_quantized_weights(resolve_model(model), path.quantization, path.fallback, group_size=path.group_size, **extra)
         common: dict[str, Any] = {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": max_len, "max_num_seqs": 64}
         self.dense: dict[str, torch.Tensor] | None = None
         if native:  # the engine's own quantized path (kernels)
@@ -251,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--paths", default="native,int8,int4,int4:auto,int4:g64:auto", help="comma-separated MODE[:gGROUP][:FALLBACK]")
+    ap.add_argument("--paths", default="native,int8,int4,int4:auto,int4:g64:auto", help="comma-separated MODE[:gGROUP][:FALLBACK], FALLBACK auto[@KL bound] | none | patterns")
     ap.add_argument("--tokens", type=int, default=20000, help="evaluation tokens (>= 20000 for the recorded figures)")
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--prompts", type=int, default=32)
