@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
         quantization: str = typer.Option("auto", "--quantization", "-q", help="auto | none | int8 | int4 | gguf | awq | gptq | sluice"),
         group_size: int | None = typer.Option(None, "--group-size", help="int8/int4: inputs per scale (32, 64, 128; -1: per channel). Default 32."),
         quant_fallback: str = typer.Option("auto", "--quant-fallback", help="auto | none | PATTERN,... (fnmatch globs on HF names kept float32)"),
-        kl_bound: float | None = typer.Option(None, "--kl-bound", help="auto fallback: model error bound, KL nats/token (default 0.01)."),
+        kl_bound: float | None = typer.Option(None, "--kl-bound", help="auto fallback: model error bound, KL nats/token (default 0.05)."),
         quantize_head: bool = typer.Option(False, "--quantize-head", help="int8/int4: quantize the LM head too."),
         out: Path | None = typer.Option(None, "--out", help="Write the quantized checkpoint to this directory."),
         as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document instead of a table."),

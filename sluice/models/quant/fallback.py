@@ -15,10 +15,12 @@
    ``DEFAULT_KL_BOUND``) is found by bisection (about log2(#layers) forward
    passes), assuming, as measured, that the KL falls as layers return to float.
 
-NOTE(kl-bound): 0.01 nats/token.  A KL of x nats adds about x nats to the
-cross-entropy on text the float model predicts well, i.e. roughly x*100 % of
-perplexity: 0.01 leaves room for the int8 activation rounding of the kernels
-inside the issue's 5 % perplexity budget for int4.
+NOTE(kl-bound): 0.05 nats/token by default.  Measured on SmolLM2-135M (int4
+group 64 re-quantized from its Q4_1 GGUF, 2k evaluation tokens): every linear
+quantized gives a calibration KL of 0.27 and +30 % perplexity; a bound of 0.03
+gives +0.5 %, 0.1 gives +4.9 %.  0.05 lands near +2 %, leaving room inside the
+issue's 5 % budget for int4 for the kernels' int8 rounding of activations,
+which calibration does not see.
 
 Embeddings and the LM head are not candidates: they stay float unless the
 caller asks for them (``quantize_head``).  For checkpoints that are already
@@ -36,7 +38,7 @@ __all__ = ["FallbackSpec", "parse_fallback", "DEFAULT_KL_BOUND", "FallbackChoice
 
 log = logging.getLogger("sluice.models.quant")
 
-DEFAULT_KL_BOUND = 0.01  # nats per token, see NOTE(kl-bound)
+DEFAULT_KL_BOUND = 0.05  # nats per token, see NOTE(kl-bound)
 
 
 @dataclass(frozen=True)
