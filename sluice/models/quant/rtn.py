@@ -32,6 +32,32 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
 
 
+_ROWS_PER_CHUNK = 128  # keeps each pass over a chunk inside the CPU caches
+
+
+def _quantize_rows(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (rows, groups, G) float32 -> q uint8, d (rows, groups), m (rows, groups)."""
+    levels = 2**bits - 1
+    if symmetric:
+        if bits == 4:  # the value of largest magnitude maps to -8 (Q4_0's layout)
+            idx = x.abs().argmax(dim=-1, keepdim=True)
+            d = _fp16(x.gather(-1, idx) / -8.0)
+            z, lo = 8, 0
+        else:
+            d = _fp16(x.abs().amax(dim=-1, keepdim=True) / 127.0)
+            z, lo = 128, 1
+        m = torch.zeros_like(d)
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = (x * inv).round_().add_(z).clamp_(lo, levels)
+    else:
+        lo_v, hi_v = torch.aminmax(x, dim=-1, keepdim=True)
+        m = _fp16(lo_v)
+        d = _fp16((hi_v - m) / levels)
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = (x - m).mul_(inv).round_().clamp_(0, levels)
+    return q.to(torch.uint8), d.squeeze(-1), m.squeeze(-1)
+
+
 def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 32, symmetric: bool = False) -> QuantWeight:
     """Quantize a (N out, K in) float matrix group-wise by rounding to nearest."""
     if w.dim() != 2:
@@ -45,31 +71,19 @@ def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 32, symmetric
     x = w.detach().to(torch.float32).reshape(n, k // g, g)
     if not bool(torch.isfinite(x).all()):
         raise ValueError("cannot quantize a weight matrix that holds inf or nan")
-    levels = 2**bits - 1
-    if symmetric:
-        if bits == 4:
-            z = 8
-            idx = x.abs().argmax(dim=-1, keepdim=True)
-            d = _fp16(x.gather(-1, idx) / -8.0)
-        else:
-            z = 128
-            d = _fp16(x.abs().amax(dim=-1, keepdim=True) / 127.0)
-        m = torch.zeros_like(d)
-        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-        q = torch.round(x * inv) + z
-        q = q.clamp_(0 if bits == 4 else 1, levels)
-    else:
-        z = 0
-        m = _fp16(x.amin(dim=-1, keepdim=True))
-        d = _fp16((x.amax(dim=-1, keepdim=True) - m) / levels)
-        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-        q = torch.round((x - m) * inv).clamp_(0, levels)
+    q = torch.empty((n, k // g, g), dtype=torch.uint8)
+    d = torch.empty((n, k // g), dtype=torch.float32)
+    m = torch.empty((n, k // g), dtype=torch.float32)
+    for r0 in range(0, n, _ROWS_PER_CHUNK):
+        r1 = min(n, r0 + _ROWS_PER_CHUNK)
+        q[r0:r1], d[r0:r1], m[r0:r1] = _quantize_rows(x[r0:r1], bits, symmetric)
     if not bool(torch.isfinite(d).all()):
         raise ValueError("a group's scale overflows fp16 (weights larger than 65504 in magnitude?)")
+    z = 0 if not symmetric else (8 if bits == 4 else 128)
     return QuantWeight(
-        q=q.to(torch.uint8).reshape(n, k),
-        d=d.reshape(n, k // g).contiguous(),
-        m=m.reshape(n, k // g).contiguous(),
+        q=q.reshape(n, k),
+        d=d,
+        m=m,
         bits=bits,
         group_size=g,
         zero_point=z,
