@@ -242,6 +242,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(time.monotonic() - t0, 1),
     }
     if args.doc:
+        notes = []
+        if count < 20000:
+            notes.append(f"Smoke run ({count} tokens, below the 20k of the recorded figures): rerun without --tokens on a quiet machine.")
+        if source.kind == "gguf":
+            notes.append(
+                "int4 group 32 re-quantizes values that already sit on a 4-bit group-32 grid (Q4_0/Q4_1 blocks) and gives them back "
+                "exactly; the group-64 row shows what re-quantization costs and what the auto fallback keeps in float32 to stay under its bound."
+            )
+        if not native:
+            notes.append("Reference path: the weights are exact; the kernels' int8 rounding of activations is not measured until the engine takes quantization=.")
         body = (
             "## Quantization accuracy (`benchmarks/quant_accuracy.py`)\n\n"
             f"{machine_line()}; model {source.name}; {count} tokens of bundled English text (window {size}); "
@@ -250,6 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "MB: weight bytes as the kernels store them; float linears: layers the fallback kept in float32; "
             "KL: mean KL(p_ref || p) in nats per token; top-1: share of positions whose most likely next token agrees; "
             "greedy =: share of completions identical to the reference's; greedy prefix: mean common prefix / tokens generated.\n"
+            + "".join(f"\n{n}\n" for n in notes)
         )
         write_section("quant_accuracy", body)
     return result

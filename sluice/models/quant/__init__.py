@@ -35,6 +35,7 @@ import os
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,65 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
         pass
 
 
+@dataclass
+class _AtLoad:
+    """Round-to-nearest at load with per-layer fallback, applied to a float32 state dict in place."""
+
+    bits: int  # 4 | 8
+    group_size: int
+    symmetric: bool | None  # None: int4 asymmetric, int8 symmetric
+    quantize_head: bool
+    kl_bound: float
+    calibration_tokens: int
+
+    def apply(
+        self,
+        source: ModelSource,
+        raw_cfg: dict[str, Any],
+        sd: dict[str, Any],
+        fb: FallbackSpec,
+        reasons: dict[str, str],
+        measure_errors: bool,
+        use_cache: bool,
+    ) -> tuple[dict[str, float], dict[str, Any] | None]:
+        sym = (self.bits == 8) if self.symmetric is None else self.symmetric
+        heads = _head_names(sd) if self.quantize_head else []
+        candidates = [n for n in sd if is_linear_weight(n) or n in heads]
+        reasons.update({n: "pattern" for n in candidates if fb.matches(n)})
+        quant: dict[str, QuantWeight] = {}
+        for n in candidates:
+            if n not in reasons:
+                try:
+                    quant[n] = quantize_rtn(sd[n], self.bits, self.group_size, sym)
+                except ValueError as e:
+                    raise ValueError(f"--quantization int{self.bits} --group-size {self.group_size}: {n} {tuple(sd[n].shape)}: {e}") from e
+        errors: dict[str, float] = {}
+        model_error: dict[str, Any] | None = None
+        if quant and (fb.mode == "auto" or measure_errors):
+            settings = {"bits": self.bits, "g": self.group_size, "sym": sym, "head": self.quantize_head, "bound": self.kl_bound, "n": self.calibration_tokens, "fb": str(fb)}
+            cache = _fallback_cache_path(source, settings)
+            found = _read_json(cache) if use_cache else None
+            if found is None or set(found.get("errors", {})) != set(quant):
+                found = _calibrate(source, raw_cfg, sd, quant, fb.mode == "auto", self.kl_bound, self.calibration_tokens)
+                if use_cache:
+                    _write_json_atomic(cache, found)
+            errors = {k: float(v) for k, v in found["errors"].items()}
+            if fb.mode == "auto":
+                reasons.update({n: "auto" for n in found["float_layers"]})
+                model_error = {"metric": "kl_nats_per_token", "value": found["kl"], "all_quantized": found["kl_all_quantized"], "bound": self.kl_bound, "tokens": self.calibration_tokens}
+                shown = found["float_layers"][:8]
+                log.info(
+                    "quant fallback auto: %d of %d linears kept float32 (KL %.4g nats/token, all quantized %.4g, bound %.3g)%s",
+                    len(found["float_layers"]), len(quant), found["kl"], found["kl_all_quantized"], self.kl_bound,
+                    (": " + ", ".join(shown) + (" ..." if len(found["float_layers"]) > len(shown) else "")) if shown else "",
+                )
+        sd.update({n: w for n, w in quant.items() if n not in reasons})
+        for n in ("model.embed_tokens.weight", "lm_head.weight"):
+            if n in sd and not isinstance(sd[n], QuantWeight):
+                reasons.setdefault(n, "embedding/head")
+        return errors, model_error
+
+
 def load_quantized_weights(
     source: ModelSource,
     quantization: str = "auto",
@@ -194,49 +254,12 @@ def load_quantized_weights(
             for name, w in sd.items():
                 if isinstance(w, QuantWeight) and fb.matches(name):
                     sd[name], reasons[name] = w.dequantize(), "pattern"
+        if any(isinstance(w, QuantWeight) for w in sd.values()):
+            log.info("quantization %s: serving the %s checkpoint's own weights (%d kept float32 by pattern)", quantization, fmt, len(reasons))
     else:
-        bits = 8 if quantization == "int8" else 4
-        g = 32 if group_size is None else group_size
-        sym = (bits == 8) if symmetric is None else symmetric
         sd = {k: _dense(v) for k, v in sd.items()}
-        heads = _head_names(sd) if quantize_head else []
-        candidates = [n for n in sd if is_linear_weight(n) or n in heads]
-        for n in candidates:
-            if fb.matches(n):
-                reasons[n] = "pattern"
-        quant: dict[str, QuantWeight] = {}
-        for n in candidates:
-            if n not in reasons:
-                try:
-                    quant[n] = quantize_rtn(sd[n], bits, g, sym)
-                except ValueError as e:
-                    raise ValueError(f"--quantization {quantization} --group-size {g}: {n} {tuple(sd[n].shape)}: {e}") from e
-        float_layers: list[str] = []
-        if quant and (fb.mode == "auto" or measure_errors):
-            settings = {"q": quantization, "g": g, "sym": sym, "head": quantize_head, "bound": kl_bound, "n": calibration_tokens, "fb": str(fb)}
-            cache = _fallback_cache_path(source, settings)
-            cached = _read_json(cache) if use_cache else None
-            if cached is None or set(cached.get("errors", {})) != set(quant):
-                cached = _calibrate(source, raw_cfg, sd, quant, fb.mode == "auto", kl_bound, calibration_tokens)
-                if use_cache:
-                    _write_json_atomic(cache, cached)
-            errors = {k: float(v) for k, v in cached["errors"].items()}
-            if fb.mode == "auto":
-                float_layers = list(cached["float_layers"])
-                model_error = {"metric": "kl_nats_per_token", "value": cached["kl"], "all_quantized": cached["kl_all_quantized"], "bound": kl_bound, "tokens": calibration_tokens}
-                log.info(
-                    "quant fallback auto: %d of %d linears kept float32 (KL %.4g, all quantized %.4g, bound %.3g)%s",
-                    len(float_layers), len(quant), cached["kl"], cached["kl_all_quantized"], kl_bound,
-                    ": " + ", ".join(float_layers[:8]) + (" ..." if len(float_layers) > 8 else "") if float_layers else "",
-                )
-        for n in float_layers:
-            reasons[n] = "auto"
-        for n, w in quant.items():
-            if n not in reasons:
-                sd[n] = w
-        for n in ("model.embed_tokens.weight", "lm_head.weight"):
-            if n in sd and not isinstance(sd[n], QuantWeight):
-                reasons.setdefault(n, "embedding/head")
+        at_load = _AtLoad(8 if quantization == "int8" else 4, 32 if group_size is None else group_size, symmetric, quantize_head, kl_bound, calibration_tokens)
+        errors, model_error = at_load.apply(source, raw_cfg, sd, fb, reasons, measure_errors, use_cache)
 
     report = _report(source, fmt, quantization, fb, sd, reasons, errors, model_error)
     report["seconds"] = round(time.monotonic() - t0, 2)
