@@ -11,15 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from sluice.engine.stop import Detokenizer
+
 __all__ = ["Detokenizer", "TextCodec", "ModelCodec", "load_codec"]
-
-
-class Detokenizer(Protocol):
-    stopped: bool  # a stop string matched: stop generating
-
-    def push(self, token_ids: Sequence[int]) -> str: ...
-
-    def flush(self) -> str: ...
 
 
 class TextCodec(Protocol):

@@ -18,9 +18,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from sluice.engine.protocol import EngineOutput, FinishReason, RequestTimings, TokenLogprobs
+from sluice.engine.protocol import EngineOutput, RequestTimings, TokenLogprobs
+from sluice.engine.stop import Detokenizer, apply_output
 from sluice.errors import SluiceError
-from sluice.server.codec import Detokenizer
 from sluice.server.engine_client import EngineClient, RequestStream, engine_error
 
 __all__ = ["Choice", "Delta", "Generation"]
@@ -107,15 +107,10 @@ class Generation:
         if o.new_token_ids and c.first_token_at is None:
             c.first_token_at = time.monotonic()
         c.num_tokens += len(o.new_token_ids)
-        text = c.detok.push(o.new_token_ids)
-        reason: str | None = None
-        if c.detok.stopped:
-            reason = FinishReason.STOP
-            if not o.finished:
-                self.client.abort([c.request_id])
-        elif o.finished:
-            text += c.detok.flush()
-            reason = o.finish_reason or FinishReason.STOP
+        delta = apply_output(c.detok, o)
+        text, reason = delta.text, delta.finish_reason
+        if delta.needs_abort:
+            self.client.abort([c.request_id])
         lps = o.logprobs
         if self.keep_text:
             c.text.append(text)
