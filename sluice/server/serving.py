@@ -24,8 +24,8 @@ from opentelemetry.trace import Span, Status, StatusCode
 from sluice.auth import KeyInfo, KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
 from sluice.engine.protocol import EngineRequest, SamplingParams
+from sluice.engine.validation import validate_prompt, validate_request
 from sluice.errors import (
-    ContextLengthError,
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
@@ -139,33 +139,19 @@ class OpenAIServing:
             prompts = await self._tokenize(req)
         finally:
             span.end()
-        max_len = self.model_info.max_model_len
-        longest = max(len(p) for p in prompts)
-        if longest == 0:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if longest >= max_len:
-            raise ContextLengthError(
-                f"this model's context window is {max_len} tokens, but the prompt has {longest} tokens"
-            )
+        info = self.model_info
+        for p in prompts:
+            validate_prompt(p, info)
+        longest = max(prompts, key=len)
         if isinstance(req, ChatCompletionRequest):
-            default_max = max_len - longest  # NOTE(chat-default): OpenAI chat has no fixed default
-            sampling = req.sampling_params(default_max)
+            # NOTE(chat-default): OpenAI chat has no fixed default
+            sampling = req.sampling_params(info.max_model_len - len(longest))
             kind = "chat"
         else:
             sampling = req.sampling_params(16)
             kind = "completion"
-        if longest + sampling.max_tokens > max_len:
-            raise ContextLengthError(
-                f"this model's context window is {max_len} tokens; the prompt has {longest} tokens "
-                f"and max_tokens is {sampling.max_tokens} ({longest + sampling.max_tokens} in all). "
-                f"Lower max_tokens to at most {max_len - longest}",
-                param="max_tokens",
-            )
-        vocab = self.model_info.vocab_size
-        for p in prompts:
-            for t in p:
-                if not 0 <= t < vocab:
-                    raise InvalidRequestError(f"token id {t} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        # the engine core's own check, answered here without the round trip
+        validate_request(longest, sampling, info, int(ctx.priority))
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         ctx.stream = req.stream
         return Prepared(kind, req, prompts, sampling)
