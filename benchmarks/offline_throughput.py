@@ -181,9 +181,8 @@ def kv_memory(ctx: int, batch: int = 16, shared_prefix: int = 0, dist: str = "un
         toks = prefix + [i * 100000 + j for j in range(max(1, n - len(prefix)))]
         r = Request(str(i), toks, SamplingParams())
         cached = bm.lookup_prefix(r)
-        bm.allocate(r, r.num_tokens - len(cached) * 16, cached or None)
-        r.num_computed_tokens = r.num_tokens
-        bm.cache_full_blocks(r)
+        bm.allocate(r, r.num_tokens, cached)
+        bm.cache_full_blocks(r, r.num_tokens)
         reqs.append(r)
     held = bm.num_used_blocks * 16
     return held, batch * ctx

@@ -22,6 +22,7 @@ freed, free blocks == total blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from sluice.engine.request import Request
 
@@ -105,36 +106,35 @@ class BlockManager:
             del self.free[b]
         self.ref_counts[b] += 1
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
-        """Whether ``allocate(req, num_new_tokens, cached)`` would succeed."""
-        if cached:
-            # the prefix blocks count as computed: the new tokens come after them
-            total = len(cached) * self.block_size + num_new_tokens
-            need = self.blocks_needed(total) - len(cached)
-            # cached blocks nobody holds sit in the free list: taking them uses free slots
-            need += sum(1 for b in cached if self.ref_counts[b] == 0)
-        else:
-            need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
-        return need <= len(self.free)
+    def num_blocks_to_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Free-list blocks ``allocate(req, num_tokens, cached)`` would take."""
+        # cached prefix blocks are shared, not allocated; the rest are new blocks
+        need = self.blocks_needed(num_tokens) - len(req.block_ids) - len(cached)
+        # cached blocks nobody holds sit in the free list: taking them uses free slots
+        return need + sum(1 for b in cached if self.ref_counts[b] == 0)
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
-        """Give ``req`` blocks for ``num_computed + num_new_tokens`` tokens.
+    def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Whether ``req`` can hold ``num_tokens`` tokens in all (computed + new), ``cached`` first."""
+        return self.num_blocks_to_allocate(req, num_tokens, cached) <= len(self.free)
+
+    def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Give ``req`` blocks for ``num_tokens`` tokens in all (computed + new).
 
         ``cached`` (first allocation only) are prefix blocks from ``lookup_prefix``:
-        they are shared and their tokens counted as computed.  Returns False and
-        changes nothing when the blocks do not fit.
+        they are shared and become the head of the block table.  Progress
+        (``num_computed_tokens``) is the scheduler's: it counts the cached tokens
+        as computed.  Returns False and changes nothing when the blocks do not fit.
         """
-        if not self.can_allocate(req, num_new_tokens, cached):
+        if not self.can_allocate(req, num_tokens, cached):
             return False
         if cached:
-            assert not req.block_ids, "prefix blocks are only taken at the first allocation"
+            if req.block_ids:
+                raise RuntimeError(f"prefix blocks are only taken at the first allocation ({req.request_id})")
             for b in cached:
                 self._hold(b)
             req.block_ids.extend(cached)
             req.block_hashes = [self.hash_by_block[b] for b in cached]  # type: ignore[misc]
-            req.num_computed_tokens = len(cached) * self.block_size
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
-        for _ in range(need):
+        for _ in range(self.blocks_needed(num_tokens) - len(req.block_ids)):
             req.block_ids.append(self._take_free())
         return True
 
@@ -153,12 +153,12 @@ class BlockManager:
         req.block_ids = []
         req.block_hashes = []
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register hashes for the request's blocks that became full and computed."""
+    def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Register hashes for the request's blocks that are full and computed."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        num_full = min(num_computed_tokens // bs, len(req.block_ids))
         prev = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), num_full):
             h = hash_block(prev, tuple(req.token_ids[i * bs : (i + 1) * bs]))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from sluice.engine.protocol import (
     SamplingParams,
     TokenLogprobs,
 )
+from sluice.engine.stop import apply_output
 from sluice.errors import InvalidRequestError
+from sluice.models.loader import resolve_model
 from sluice.models.tokenizer import IncrementalDetokenizer, load_tokenizer
 from sluice.types import Priority, parse_priority
 
@@ -77,17 +80,15 @@ class _Seq:
 
 class LLM:
     def __init__(self, model: str = "smollm2", **engine_args: Any):
-        cfg = EngineConfig(model=model)
-        for k, v in engine_args.items():
-            if not hasattr(cfg, k):
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        for k in engine_args:
+            if k not in names:
                 raise TypeError(f"LLM() got an unexpected argument {k!r}")
-            if v is not None:
-                setattr(cfg, k, v)
-        self.engine = EngineCore(cfg)
-        self.tokenizer = load_tokenizer(self.engine.source)
-        for e in self.tokenizer.eos_token_ids:
-            if e not in self.engine.eos_token_ids:
-                self.engine.eos_token_ids.append(e)
+        cfg = EngineConfig(model=model, **{k: v for k, v in engine_args.items() if v is not None})
+        # NOTE(llm-eos): the tokenizer may know end-of-sequence ids the model config
+        # does not; the engine stops on both.
+        self.tokenizer = load_tokenizer(resolve_model(model))
+        self.engine = EngineCore(cfg, extra_eos_token_ids=self.tokenizer.eos_token_ids)
 
     # ------------------------------------------------------------ public API
 
@@ -133,18 +134,13 @@ class LLM:
             for out in self.engine.step():
                 if out.request_id != rid:
                     continue
-                piece = detok.push(out.new_token_ids)
-                if piece:
-                    yield piece
-                if detok.stopped and not out.finished:
+                delta = apply_output(detok, out)
+                if delta.text:
+                    yield delta.text
+                if delta.needs_abort:
                     self.engine.abort([rid])
                     self.engine.step()
-                    done = True
-                elif out.finished:
-                    tail = detok.flush()
-                    if tail:
-                        yield tail
-                    done = True
+                done = delta.finish_reason is not None
 
     # ------------------------------------------------------------ internals
 
@@ -245,17 +241,14 @@ class LLM:
                     s.token_ids.extend(out.new_token_ids)
                     if out.logprobs:
                         s.logprobs.extend(out.logprobs)
-                    s.detok.push(out.new_token_ids)
-                    if s.detok.stopped and not out.finished:
+                    delta = apply_output(s.detok, out)
+                    if s.finish_reason is None:
+                        s.finish_reason = delta.finish_reason
+                    if delta.needs_abort:
                         self.engine.abort([out.request_id])
-                        s.finish_reason = "stop"
-                    if out.finished:
-                        if s.finish_reason is None:
-                            s.finish_reason = out.finish_reason
-                            s.detok.flush()
-                        if out.request_id in pending:
-                            pending.discard(out.request_id)
-                            bar.advance(task)
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        bar.advance(task)
 
 
 def _with(sp: SamplingParams, **changes: Any) -> SamplingParams:

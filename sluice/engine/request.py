@@ -1,8 +1,9 @@
 """A request inside the engine core: its tokens, blocks, progress and timings.
 
-One owner per state (STYLE.md): the scheduler moves requests between queues and
-sets ``status``; the block manager owns ``block_ids``; the engine core appends
-sampled tokens.
+One owner per state (STYLE.md): the scheduler moves requests between queues,
+sets ``status``, advances ``num_computed_tokens`` and appends sampled tokens
+(``Scheduler.update_from_output``); the block manager owns ``block_ids`` and
+``block_hashes``, and takes the token counts it needs as arguments.
 """
 
 from __future__ import annotations

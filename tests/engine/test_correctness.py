@@ -53,7 +53,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_models: dict[str, Path
         kv_cache_memory=4 << 20,
     )
     engine.runner.capture_logits = True
-    prompts = _prompts(engine.vocab_size)
+    prompts = _prompts(engine.model_info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling=params))

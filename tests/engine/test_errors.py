@@ -24,21 +24,21 @@ def small_ctx_engine(tiny_llama: Path) -> EngineCore:
     return EngineCore(model=str(tiny_llama), max_model_len=64, kv_cache_memory=2 << 20)
 
 
-def test_prompt_longer_than_context(small_ctx_engine: EngineCore) -> None:
+def test_prompt_filling_the_context_is_rejected_naming_the_limit(small_ctx_engine: EngineCore) -> None:
     with pytest.raises(ContextLengthError, match="maximum context length is 64 tokens; the prompt has 80"):
         small_ctx_engine.add_request(
             EngineRequest(request_id="long", prompt_token_ids=[5] * 80, sampling=SamplingParams())
         )
 
 
-def test_prompt_plus_max_tokens_over_context(small_ctx_engine: EngineCore) -> None:
+def test_prompt_plus_max_tokens_over_the_context_is_rejected(small_ctx_engine: EngineCore) -> None:
     with pytest.raises(ContextLengthError, match=r"plus max_tokens \(40\)"):
         small_ctx_engine.add_request(
             EngineRequest(request_id="l2", prompt_token_ids=[5] * 30, sampling=SamplingParams(max_tokens=40))
         )
 
 
-def test_request_larger_than_the_kv_cache(tiny_llama: Path) -> None:
+def test_request_larger_than_the_whole_kv_cache_is_rejected_up_front(tiny_llama: Path) -> None:
     engine = EngineCore(model=str(tiny_llama), kv_cache_memory=4 * 2 * 2 * 16 * 2 * 16 * 4)  # 4 blocks
     assert engine.block_manager.num_blocks == 4
     with pytest.raises(ContextLengthError, match="the KV cache holds 64 tokens"):
@@ -46,7 +46,7 @@ def test_request_larger_than_the_kv_cache(tiny_llama: Path) -> None:
     assert not engine.has_unfinished_requests()
 
 
-def test_out_of_vocab_and_empty_prompts(small_ctx_engine: EngineCore) -> None:
+def test_out_of_vocab_and_empty_prompts_are_rejected_without_trace(small_ctx_engine: EngineCore) -> None:
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         small_ctx_engine.add_request(EngineRequest(request_id="v", prompt_token_ids=[10**7], sampling=SamplingParams()))
     with pytest.raises(InvalidRequestError, match="empty"):
@@ -69,12 +69,12 @@ def test_out_of_vocab_and_empty_prompts(small_ctx_engine: EngineCore) -> None:
         ({"n": 0}, "n must be >= 1"),
     ],
 )
-def test_bad_sampling_values(kwargs: dict[str, object], message: str) -> None:
+def test_bad_sampling_values_are_rejected_naming_the_value(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
-def test_unknown_model_path(tmp_path: Path) -> None:
+def test_unknown_model_path_is_model_not_found(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="not found"):
         resolve_model(str(tmp_path / "nope"))
     with pytest.raises(ModelNotFoundError, match="no config.json"):

@@ -67,7 +67,7 @@ def test_penalties_push_down_seen_tokens() -> None:
     assert out[0].tolist() == [1.0, 2.0, -8.0, 1.0], "positive logits divided, negative multiplied"
 
 
-def test_banned_tokens_and_logprobs() -> None:
+def test_banned_tokens_are_never_chosen_and_carry_no_logprob_mass() -> None:
     s = Sampler()
     row = SamplingRow(SamplingParams(temperature=0.0, logprobs=2), [0], 1, None, [0])
     toks, lps = s(LOGITS.clone().unsqueeze(0), [row])

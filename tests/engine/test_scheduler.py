@@ -10,7 +10,7 @@ import pytest
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.core import EngineCore
 from sluice.engine.protocol import EngineRequest, SamplingParams
-from sluice.engine.request import Request, RequestStatus
+from sluice.engine.request import Request
 from sluice.engine.scheduler import Scheduler
 from sluice.types import Priority
 
@@ -93,28 +93,23 @@ def test_preemption_recomputes_and_outputs_match_unconstrained_run(tiny_llama: P
 
 
 class _FakeRun:
-    """Drive a Scheduler without a model: every scheduled chunk is computed, decodes emit one token."""
+    """Drive a Scheduler without a model: every scheduled chunk is computed, every sample is token 1."""
 
     def __init__(self, sched: Scheduler, max_out: int):
-        self.sched, self.max_out, self.step_no = sched, max_out, 0
+        self.sched, self.params, self.step_no = sched, SamplingParams(max_tokens=max_out, ignore_eos=True), 0
         self.first_sched: dict[str, int] = {}
         self.arrival: dict[str, int] = {}
-        self.prefill_by_class = [0, 0, 0]
 
-    def add(self, req: Request) -> None:
-        self.arrival[req.request_id] = self.step_no
-        self.sched.add_request(req)
+    def add(self, rid: str, prompt: list[int], priority: Priority) -> None:
+        self.arrival[rid] = self.step_no
+        self.sched.add_request(Request(rid, prompt, self.params, priority=priority))
 
     def step(self) -> list[int]:
         out = self.sched.schedule()
         for s in out.scheduled:
             self.first_sched.setdefault(s.request.request_id, self.step_no)
-        samplers = [s.request for s in out.scheduled if s.samples]
-        self.sched.update_after_step(out)
-        for req in samplers:
-            req.token_ids.append(1)
-            if req.num_output_tokens >= self.max_out:
-                self.sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        num_samples = sum(s.samples for s in out.scheduled)
+        self.sched.update_from_output(out, [1] * num_samples, [None] * num_samples)
         self.step_no += 1
         return out.prefill_tokens_by_priority
 
@@ -124,7 +119,7 @@ def test_wfq_gives_p1_three_fifths_of_p0_prefill_tokens() -> None:
     run = _FakeRun(sched, max_out=2)
     for i in range(300):
         for p in (Priority.P0, Priority.P1):
-            run.add(Request(f"{p.label}-{i}", [1000 * i + 10 * int(p) + j for j in range(64)], GREEDY, priority=p))
+            run.add(f"{p.label}-{i}", [1000 * i + 10 * int(p) + j for j in range(64)], p)
     totals = [0, 0, 0]
     for _ in range(60):  # both classes stay backlogged for all of these steps
         per = run.step()
@@ -143,7 +138,7 @@ def test_p0_queue_time_is_below_p2_under_saturation(policy: str) -> None:
     for n in range(800):
         p = Priority(rng.choice([0, 1, 2]))
         classes[f"r{n}"] = int(p)
-        run.add(Request(f"r{n}", [n * 100 + j for j in range(rng.randint(16, 96))], GREEDY, priority=p))
+        run.add(f"r{n}", [n * 100 + j for j in range(rng.randint(16, 96))], p)
         if n % 2 == 1:  # two arrivals per step outpace service: saturating
             run.step()
     waits: dict[int, list[int]] = {0: [], 1: [], 2: []}
