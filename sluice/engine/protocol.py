@@ -4,6 +4,10 @@ The API process sends ``EngineRequest`` / ``EngineAbort`` to the engine core and
 receives ``EngineCoreOutputs`` (a batch of ``EngineOutput`` plus an
 ``EngineStats`` snapshot).  The offline ``LLM`` uses the same types in-process.
 
+``EngineCoreProtocol`` is what drives an engine core: the engine core process
+and ``LLM`` call it; ``EngineCore`` and the tests' ``FakeEngineCore``
+implement it (mypy checks both against it).
+
 Times are ``time.monotonic()`` seconds (CLOCK_MONOTONIC is shared by all
 processes of one machine, so arrival stamps from the API process are
 comparable with the engine's).
@@ -11,9 +15,15 @@ comparable with the engine's).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
 import msgspec
 
 from sluice.errors import InvalidRequestError, SluiceError, from_parts
+
+if TYPE_CHECKING:
+    from sluice.engine.config import ModelInfo
 
 __all__ = [
     "SamplingParams",
@@ -26,6 +36,7 @@ __all__ = [
     "EngineCoreOutputs",
     "EngineError",
     "FinishReason",
+    "EngineCoreProtocol",
 ]
 
 
@@ -188,3 +199,23 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     outputs: list[EngineOutput]
     stats: EngineStats | None = None
     timestamp: float = 0.0
+
+
+class EngineCoreProtocol(Protocol):
+    """An engine core: requests in, one step of outputs at a time, stats snapshots."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ``InvalidRequestError`` (or a subclass) and keeps nothing when it is invalid."""
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); each gets a final output at the next step."""
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[EngineOutput]:
+        """Run one step: schedule -> execute -> update."""
+
+    def make_stats(self) -> EngineStats: ...

@@ -8,8 +8,8 @@ and nothing else: no HTTP, no tokenizer.  It publishes one
 when it goes idle so that gauges fall back to zero.  It exits when the API
 process goes away (parent pid changes) or on SIGTERM.
 
-``engine_factory`` is any picklable callable ``EngineConfig -> engine`` with the
-``EngineCore`` methods; tests pass ``sluice.server.testing.FakeEngineCore``.
+``engine_factory`` is any picklable callable ``EngineConfig -> EngineCoreProtocol``;
+tests pass ``sluice.server.testing.FakeEngineCore``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,17 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.protocol import EngineCoreOutputs, EngineError, EngineOutput, FinishReason
+from sluice.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreProtocol,
+    EngineError,
+    EngineOutput,
+    FinishReason,
+)
 from sluice.errors import ModelLoadError, SluiceError
 from sluice.server.ipc import Decoders, Kind, encode
 
@@ -36,14 +41,14 @@ log = logging.getLogger("sluice.engine_core")
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 
 
-def default_engine_factory(config: EngineConfig) -> Any:
+def default_engine_factory(config: EngineConfig) -> EngineCoreProtocol:
     from sluice.engine.core import EngineCore
 
     return EngineCore(config)
 
 
 def run_engine_core(
-    engine_factory: Callable[[EngineConfig], Any],
+    engine_factory: Callable[[EngineConfig], EngineCoreProtocol],
     config: EngineConfig,
     input_addr: str,
     output_addr: str,

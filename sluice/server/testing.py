@@ -1,13 +1,15 @@
 """Fakes for server tests: a deterministic engine core and a byte-level codec.
 
-``FakeEngineCore`` has the ``EngineCore`` methods and runs in the real engine
-core process (spawned, over real ZMQ), so fault-injection tests (engine death,
-drain, hundreds of clients) exercise the real server without a model:
+``FakeEngineCore`` implements ``EngineCoreProtocol`` like ``EngineCore`` and
+runs in the real engine core process (spawned, over real ZMQ), so
+fault-injection tests (engine death, drain, hundreds of clients) exercise the
+real server without a model:
 
 - one token per running request per step, after ``step_delay`` seconds;
 - greedy (temperature 0): letters ``a..z`` cycling from ``sum(prompt) % 26``;
   sampled: letters from ``random.Random(seed)`` (reproducible with a seed);
-- KV accounting like the real engine: ``ceil(tokens / 16)`` blocks per request.
+- KV accounting like the real engine: ``ceil(tokens / 16)`` blocks per request;
+- the real engine's request validation (``sluice.engine.validation``).
 
 ``FakeCodec`` is a byte tokenizer: ids 0..255 are bytes, 256 is BOS, 257 EOS.
 
@@ -22,10 +24,11 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
 from sluice.engine.protocol import (
+    EngineCoreProtocol,
     EngineOutput,
     EngineRequest,
     EngineStats,
@@ -33,7 +36,7 @@ from sluice.engine.protocol import (
     RequestTimings,
     TokenLogprobs,
 )
-from sluice.errors import ContextLengthError, InvalidRequestError
+from sluice.engine.validation import validate_request
 
 __all__ = ["FakeEngineCore", "FakeCodec", "FakeDetokenizer", "BOS", "EOS", "VOCAB_SIZE"]
 
@@ -85,16 +88,7 @@ class FakeEngineCore:
     # -- EngineCore interface ------------------------------------------------------
 
     def add_request(self, req: EngineRequest) -> None:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if n + req.sampling.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
-                f"context window of {self.max_model_len} tokens"
-            )
-        if any(not 0 <= t < VOCAB_SIZE for t in req.prompt_token_ids):
-            raise InvalidRequestError("token id out of range", param="prompt")
+        validate_request(req.prompt_token_ids, req.sampling, self.model_info, req.priority)
         if req.arrival_time == 0.0:
             req.arrival_time = time.monotonic()
         rng = random.Random(req.sampling.seed)  # seed None: OS entropy
@@ -117,7 +111,7 @@ class FakeEngineCore:
                 for r in [r for r in queue if r.req.request_id in self.to_abort]:
                     queue.remove(r)
                     self._free(r)
-                    outs.append(self._final(r, FinishReason.ABORT, now))
+                    outs.append(self._output(r, [], finish_reason=FinishReason.ABORT, now=now))
             self.to_abort.clear()
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]
@@ -147,19 +141,10 @@ class FakeEngineCore:
                 reason = FinishReason.LENGTH
             elif tok in sp.stop_token_ids and len(r.output) >= sp.min_tokens:
                 reason = FinishReason.STOP
-            out = EngineOutput(
-                request_id=r.req.request_id,
-                new_token_ids=[tok],
-                logprobs=lp,
-                num_prompt_tokens=len(r.req.prompt_token_ids),
-                num_generated_tokens=len(r.output),
-            )
             if reason is not None:
                 self.running.remove(r)
                 self._free(r)
-                r.timings.finished = time.monotonic()
-                out.finished, out.finish_reason, out.timings = True, reason, r.timings
-            outs.append(out)
+            outs.append(self._output(r, [tok], lp, finish_reason=reason, now=time.monotonic()))
         return outs
 
     def make_stats(self) -> EngineStats:
@@ -199,18 +184,31 @@ class FakeEngineCore:
         self.num_free_blocks += r.num_blocks
         r.num_blocks = 0
 
-    def _final(self, r: _Req, reason: str, now: float) -> EngineOutput:
-        assert r.timings is not None
-        r.timings.finished = now
-        return EngineOutput(
+    @staticmethod
+    def _output(
+        r: _Req,
+        new_token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+        *,
+        finish_reason: str | None,
+        now: float,
+    ) -> EngineOutput:
+        out = EngineOutput(
             request_id=r.req.request_id,
-            new_token_ids=[],
-            finished=True,
-            finish_reason=reason,
+            new_token_ids=new_token_ids,
+            logprobs=logprobs,
             num_prompt_tokens=len(r.req.prompt_token_ids),
             num_generated_tokens=len(r.output),
-            timings=r.timings,
         )
+        if finish_reason is not None:
+            assert r.timings is not None
+            r.timings.finished = now
+            out.finished, out.finish_reason, out.timings = True, finish_reason, r.timings
+        return out
+
+
+if TYPE_CHECKING:  # mypy checks that the fake is an engine core
+    _fake_engine_core: type[EngineCoreProtocol] = FakeEngineCore
 
 
 class FakeDetokenizer:
