@@ -103,14 +103,12 @@ class EngineCore:
         if not sched.is_empty:
             tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
+            self._num_steps += 1
+            self._last_batched = sched.num_batched_tokens
+            self._last_step_time = time.monotonic() - t0
         for out in outputs:
             if out.finished:
                 self.generators.pop(out.request_id, None)
-        if sched.is_empty:
-            return outputs
-        self._num_steps += 1
-        self._last_batched = sched.num_batched_tokens
-        self._last_step_time = time.monotonic() - t0
         return outputs
 
     def _sampling_rows(self, sched: SchedulerOutput) -> list[SamplingRow]:
