@@ -108,3 +108,29 @@ def test_act_order_checkpoint_needs_a_float_or_requantized_load(tmp_path: Path, 
     assert all(torch.equal(sd[n], d) for n, d in expected.items())
     sd4, rep = load_quantized_weights(src, "int4", "none")
     assert isinstance(sd4["model.layers.0.mlp.down_proj.weight"], QuantWeight)
+
+
+def test_old_autogptq_quantize_config_json_is_detected(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    import json
+
+    make_hub_checkpoint(tiny_llama_dir, tmp_path / "m", "gptq", fmt="gptq")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    qcfg = cfg.pop("quantization_config")
+    qcfg.pop("quant_method")
+    cfg_path.write_text(json.dumps(cfg))
+    (tmp_path / "m" / "quantize_config.json").write_text(json.dumps(qcfg))
+    sd, report = load_quantized_weights(resolve_model(str(tmp_path / "m")), "auto", "auto")
+    assert report["format"] == "gptq" and isinstance(sd["model.layers.0.mlp.up_proj.weight"], QuantWeight)
+
+
+def test_unsupported_quant_method_is_a_clear_error(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    import json
+    import shutil
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="bitsandbytes.*not supported"):
+        load_quantized_weights(resolve_model(str(tmp_path / "m")), "auto", "auto")
