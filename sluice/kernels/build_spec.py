@@ -22,4 +22,12 @@ EXTENSIONS: dict[str, tuple[str, list[str], list[str]]] = {
     # attention: fast-math lets the dot products vectorise (reassociation); each
     # (token, head) is reduced by one thread in a fixed order either way.
     "attention": ("sluice.kernels._C_attention", ["paged_attention.cpp"], ["-O3", "-fopenmp", "-ffast-math"]),
+    # quant: no fast-math and no FP contraction, so every path (AVX-512, AVX2,
+    # scalar) performs the same float operations in the same order: results are
+    # bit-identical across batch sizes (batch invariance) and across ISAs.
+    "quant": (
+        "sluice.kernels._C_quant",
+        ["qgemm.cpp", "ops.cpp", "quant_bindings.cpp"],
+        ["-O3", "-fopenmp", "-ffp-contract=off"],
+    ),
 }

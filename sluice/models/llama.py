@@ -11,7 +11,13 @@ Covers Llama 2/3 (llama3 rope scaling), SmolLM/SmolLM2, Mistral and Qwen2
 attention, SwiGLU MLP, optionally tied embeddings.
 
 Weights are fused at load time: q/k/v into one ``qkv`` matrix and gate/up into
-one ``gate_up`` matrix, so a layer runs 4 GEMMs over the whole batch.
+one ``gate_up`` matrix, so a layer runs 4 GEMMs over the whole batch.  Every
+matrix is a ``sluice.kernels.linear.Linear``: full precision, or group-wise
+quantized (GGUF, AWQ/GPTQ, quantized at load) running sluice's int8 kernels.
+
+In float32 on the CPU the elementwise chains (RMSNorm, SiLU x up) run as fused
+C++ ops (sluice/kernels/csrc/ops.cpp) and the residual adds happen inside the
+GEMMs' epilogues; other dtypes and devices use the torch ops.
 """
 
 from __future__ import annotations
@@ -22,9 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels import ext
+from sluice.kernels.linear import Linear, make_linear
+from sluice.kernels.qweight import QuantWeight
 from sluice.models.config import ModelConfig
 
-__all__ = ["LlamaForCausalLM", "AttentionFn"]
+__all__ = ["LlamaForCausalLM", "AttentionFn", "WeightValue"]
+
+WeightValue = torch.Tensor | QuantWeight
 
 
 class AttentionFn(Protocol):
@@ -45,6 +56,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+class Ops:
+    """The elementwise ops of a layer: fused C++ (float32, CPU) or torch."""
+
+    def __init__(self, fused: Any | None):
+        self.fused = fused
+
+    @classmethod
+    def for_model(cls, dtype: torch.dtype, device: torch.device | str) -> Ops:
+        if dtype == torch.float32 and torch.device(device).type == "cpu":
+            try:
+                return cls(ext.load("quant"))
+            except Exception:  # noqa: BLE001 -- no compiler: the torch ops are the fallback
+                return cls(None)
+        return cls(None)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+        return rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)  # type: ignore[no-any-return]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (T, H, D); cos/sin: (T, 1, D) with the halves duplicated (HF layout)
     half = x.shape[-1] // 2
@@ -60,38 +98,39 @@ class DecoderLayer(nn.Module):
         self.kv_size = cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
+        self.ops = Ops(None)
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
         self.input_norm = p(h)
         self.post_attn_norm = p(h)
-        self.qkv = p(self.q_size + 2 * self.kv_size, h)
-        self.qkv_bias = p(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
-        self.o_proj = p(h, self.q_size)
-        self.gate_up = p(2 * cfg.intermediate_size, h)
-        self.down = p(h, cfg.intermediate_size)
+        # filled by LlamaForCausalLM.load_weights (their parts depend on the checkpoint)
+        self.qkv = Linear(h, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, h)
+        self.gate_up = Linear(h, 2 * cfg.intermediate_size)
+        self.down = Linear(cfg.intermediate_size, h)
 
     def forward(
         self,
         idx: int,
-        x: torch.Tensor,  # (T, hidden)
+        x: torch.Tensor,  # (T, hidden); updated in place (residual adds)
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
         t = x.shape[0]
-        hs = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(hs, self.qkv, self.qkv_bias)  # (T, q + 2kv)
+        ops = self.ops
+        hs = ops.rms_norm(x, self.input_norm, self.eps)
+        qkv = self.qkv(hs)  # (T, q + 2kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         attn = attention(idx, q, k, v).reshape(t, self.q_size)
-        x = x + F.linear(attn, self.o_proj)
-        hs = rms_norm(x, self.post_attn_norm, self.eps)
-        gate, up = F.linear(hs, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        x = self.o_proj(attn, residual=x)  # x += attn @ Wo^T
+        hs = ops.rms_norm(x, self.post_attn_norm, self.eps)
+        return self.down(ops.silu_mul(self.gate_up(hs)), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -102,15 +141,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        # the token embedding doubles as the LM head when the model ties them
+        self.embed = Linear(cfg.hidden_size, cfg.vocab_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head: nn.Parameter | None = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        )
+        self.lm_head: Linear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.max_positions = max_positions
+        self.ops = Ops(None)
         self.build_rope()
 
     def build_rope(self, device: torch.device | str | None = None) -> None:
@@ -122,6 +159,24 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", emb.cos().to(self.dtype), persistent=False)
         self.register_buffer("rope_sin", emb.sin().to(self.dtype), persistent=False)
 
+    def set_ops(self, ops: Ops) -> None:
+        self.ops = ops
+        for layer in self.layers:
+            cast(DecoderLayer, layer).ops = ops
+
+    def linears(self) -> dict[str, Linear]:
+        """Every Linear of the model by module name (``layers.0.qkv``, ``embed``, ...)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        e = self.embed
+        kind, i, _ = e.parts[0]
+        if kind == "dense":
+            return F.embedding(input_ids, getattr(e, f"dense_{i}"))
+        from sluice.kernels.qlinear import dequant_rows
+
+        return dequant_rows(e._packed(i), input_ids.cpu()).to(self.dtype)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -129,62 +184,95 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,) int64
         attention: AttentionFn,
     ) -> torch.Tensor:  # (T, hidden), final-normed
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, D)
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(i, x, cos, sin, attention)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) fp32
-        w = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        head = self.embed if self.lm_head is None else self.lm_head
+        return head(hidden).float()
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
+    def load_hf_state_dict(self, sd: dict[str, WeightValue]) -> None:
+        """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up.
+
+        A linear weight may be a float tensor or a ``QuantWeight``; norms and biases are float tensors.
+        """
         missing: list[str] = []
 
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
+        def take(name: str, required: bool = True) -> WeightValue | None:
             t = sd.get(name)
             if t is None and required:
                 missing.append(name)
             return t
 
-        def put(param: torch.Tensor, value: torch.Tensor | None, name: str) -> None:
+        def put(param: torch.Tensor, value: WeightValue | None, name: str) -> None:
             if value is None:
                 return
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"weight {name}: expected a float tensor, got {type(value).__name__}")
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
             param.data.copy_(value.to(self.dtype))
 
-        put(self.embed, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        def dense(v: WeightValue) -> WeightValue:
+            return v if isinstance(v, QuantWeight) else v.to(self.dtype)
+
+        def linear(target: Linear, names: list[str], bias_names: list[str] | None = None) -> Linear:
+            parts = [take(n) for n in names]
+            if any(p is None for p in parts):
+                return target
+            expect = (target.out_features, target.in_features)
+            got = (sum(int(p.shape[0]) for p in parts), int(parts[0].shape[1]))  # type: ignore[union-attr]
+            if got != expect:
+                raise ValueError(f"weight {names[0]}: fused shape {got}, expected {expect}")
+            bias = None
+            if bias_names:
+                bs = [take(n) for n in bias_names]
+                if all(isinstance(b, torch.Tensor) for b in bs):
+                    bias = torch.cat(bs)  # type: ignore[arg-type]
+            return make_linear([dense(p) for p in parts], bias)  # type: ignore[arg-type]
+
+        self.embed = linear(self.embed, ["model.embed_tokens.weight"])
         put(self.norm, take("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
-            head = take("lm_head.weight", required=False)
-            if head is None:  # some checkpoints tie without saying so
-                head = sd.get("model.embed_tokens.weight")
-            put(self.lm_head, head, "lm_head.weight")
+            head_name = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
+            # some checkpoints tie without saying so
+            self.lm_head = linear(self.lm_head, [head_name])
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
             pre = f"model.layers.{i}."
             put(layer.input_norm, take(pre + "input_layernorm.weight"), pre + "input_layernorm.weight")
             put(layer.post_attn_norm, take(pre + "post_attention_layernorm.weight"), pre + "post_attention_layernorm.weight")
-            parts = [take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            if all(p is not None for p in parts):
-                put(layer.qkv, torch.cat(parts, 0), pre + "self_attn.qkv")  # type: ignore[arg-type]
-            if layer.qkv_bias is not None:
-                biases = [take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"]
-                if all(b is not None for b in biases):
-                    put(layer.qkv_bias, torch.cat(biases, 0), pre + "self_attn.qkv.bias")  # type: ignore[arg-type]
-            put(layer.o_proj, take(pre + "self_attn.o_proj.weight"), pre + "self_attn.o_proj.weight")
-            gu = [take(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            if all(g is not None for g in gu):
-                put(layer.gate_up, torch.cat(gu, 0), pre + "mlp.gate_up")  # type: ignore[arg-type]
-            put(layer.down, take(pre + "mlp.down_proj.weight"), pre + "mlp.down_proj.weight")
+            qkv_bias = [pre + f"self_attn.{n}_proj.bias" for n in "qkv"] if self.cfg.attention_bias else None
+            layer.qkv = linear(layer.qkv, [pre + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias)
+            layer.o_proj = linear(layer.o_proj, [pre + "self_attn.o_proj.weight"])
+            layer.gate_up = linear(layer.gate_up, [pre + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            layer.down = linear(layer.down, [pre + "mlp.down_proj.weight"])
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"missing weights: {shown}")
+
+    # ---------------------------------------------------------------- converted-weights cache
+
+    def manifest(self) -> dict[str, dict[str, Any]]:
+        """Structure of every Linear (parts and their quantization), to rebuild the model from cached tensors."""
+        return {name: lin.manifest() for name, lin in self.linears().items()}
+
+    def apply_manifest(self, manifest: dict[str, dict[str, Any]]) -> None:
+        """Give every Linear the parts of ``manifest`` with empty (meta) tensors, ready for
+        ``load_state_dict(..., assign=True)``."""
+        for name, info in manifest.items():
+            old = self.get_submodule(name)
+            if not isinstance(old, Linear):
+                raise ValueError(f"manifest names {name!r}, which is not a linear layer")
+            lin = Linear.from_manifest(old.in_features, old.out_features, info, self.dtype)
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            setattr(parent, attr, lin)
 
     def extra_repr(self) -> str:
         c: Any = self.cfg

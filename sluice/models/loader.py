@@ -235,72 +235,111 @@ def load_hf_state_dict(folder: Path) -> dict[str, Any]:
 def load_model_config(source: ModelSource) -> dict[str, Any]:
     """The HF-style config dict of a model (from config.json, or from GGUF metadata)."""
     if source.kind == "gguf":
-        cached = _gguf_cache(source.path)
-        if cached is not None:
-            return cached[0]
+        cfg_file = _cache_root(source) / "config.json"
+        if cfg_file.is_file():
+            try:
+                return json.loads(cfg_file.read_text())  # type: ignore[no-any-return]
+            except (OSError, ValueError):
+                pass
         return gguf_hf_config(_gguf_reader(source.path), source.path)
     cfg_path = source.path / "config.json"
     try:
-        return json.loads(cfg_path.read_text())
+        return json.loads(cfg_path.read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
 
 
 # ---------------------------------------------------------------- converted-weights cache
 #
-# NOTE(cold-start): parsing a GGUF (its 49k-entry vocabulary) and dequantizing
-# it costs seconds at every start.  The first load writes the dequantized
-# weights as safetensors plus the HF config under
-# ~/.cache/sluice/weights/<sha256 of the file>/; later loads read those
-# (memory-mapped) and never open the GGUF.  Written to a temp dir and renamed,
-# so a crash never leaves a half-written cache.
+# NOTE(cold-start): parsing a GGUF (its 49k-entry vocabulary), converting and
+# repacking its weights costs seconds at every start.  The first load writes
+# the built model's tensors (packed quantized weights, float norms) with a
+# manifest of each linear's parts under
+#   ~/.cache/sluice/models-v3/<file digest>/config.json
+#   ~/.cache/sluice/models-v3/<file digest>/<quantization variant>/{manifest.json, model.safetensors}
+# and later loads read those (memory-mapped) and never open the GGUF.  Written
+# to a temp dir and renamed, so a crash never leaves a half-written cache.
+
+LAYOUT_VERSION = 1  # bump when the packed layout or the manifest format changes
 
 
-def _weights_cache_dir(path: Path) -> Path:
-    return cache_dir() / "weights-v2" / file_digest(path)
+def _source_digest(source: ModelSource) -> str:
+    if source.kind == "gguf":
+        return file_digest(source.path)
+    h = hashlib.sha256((source.path / "config.json").read_bytes())
+    for f in sorted(source.path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return "hf-" + h.hexdigest()[:16]
 
 
-def _gguf_cache(path: Path) -> tuple[dict[str, Any], Path] | None:
-    d = _weights_cache_dir(path)
-    cfg, weights = d / "config.json", d / "model.safetensors"
-    if cfg.is_file() and weights.is_file():
-        try:
-            return json.loads(cfg.read_text()), weights
-        except (OSError, ValueError):
-            return None
-    return None
+def _cache_root(source: ModelSource) -> Path:
+    return cache_dir() / "models-v3" / _source_digest(source)
 
 
-def _write_gguf_cache(path: Path, cfg: dict[str, Any], sd: dict[str, Any]) -> None:
+def _variant(quantization: str, quant_fallback: str, dtype: Any) -> str:
+    fb = hashlib.sha256(quant_fallback.encode()).hexdigest()[:8]
+    return f"{quantization}-{fb}-{str(dtype).removeprefix('torch.')}-L{LAYOUT_VERSION}"
+
+
+def _atomic_dir_write(target: Path, files: dict[str, Any]) -> None:
+    """Write ``files`` (name -> str | tensor dict) into ``target`` via a temp dir + rename."""
     import shutil
     import tempfile
 
     from safetensors.torch import save_file
 
-    target = _weights_cache_dir(path)
+    tmp: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(cfg))
+        for name, content in files.items():
+            if isinstance(content, dict):
+                save_file({k: v.contiguous() for k, v in content.items()}, str(tmp / name))
+            else:
+                (tmp / name).write_text(content)
         if target.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             os.replace(tmp, target)
     except OSError:  # a read-only or full cache only costs speed
-        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_model_len: int | None = None) -> Any:
-    """Build a ``LlamaForCausalLM`` with the weights of ``source`` in ``dtype`` on ``device``.
+def _read_cached_model(source: ModelSource, variant: str) -> tuple[dict[str, Any], dict[str, Any], Path] | None:
+    root = _cache_root(source)
+    cfg, manifest, weights = root / "config.json", root / variant / "manifest.json", root / variant / "model.safetensors"
+    if not (cfg.is_file() and manifest.is_file() and weights.is_file()):
+        return None
+    try:
+        return json.loads(cfg.read_text()), json.loads(manifest.read_text()), weights
+    except (OSError, ValueError):
+        return None
 
-    Its ``max_positions`` (the context window the engine enforces) is ``max_model_len``
-    capped at the model's context, or by default the model's context capped at 8192.
+
+def load_model(
+    source: ModelSource,
+    dtype: Any,
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    quantization: str = "none",
+    quant_fallback: str = "auto",
+) -> Any:
+    """Build a ``LlamaForCausalLM`` with the weights of ``source`` on ``device``.
+
+    ``quantization``: ``none`` (every weight dequantized to ``dtype``), ``auto``
+    (what the checkpoint holds: a GGUF's or AWQ/GPTQ's quantized weights served
+    as they are), ``int8`` / ``int4`` (quantized at load), ``gguf`` (a GGUF, as
+    it is).  ``quant_fallback`` keeps sensitive layers in float (see
+    ``sluice.models.quant``).  Its ``max_positions`` (the context window the
+    engine enforces) is ``max_model_len`` capped at the model's context, or by
+    default the model's context capped at 8192.
     """
     import torch
 
     from sluice.models.config import ModelConfig
-    from sluice.models.llama import LlamaForCausalLM
+    from sluice.models.llama import LlamaForCausalLM, Ops
 
     def build(raw_cfg: dict[str, Any], on: str) -> Any:
         try:
@@ -312,37 +351,64 @@ def load_model(source: ModelSource, dtype: Any, device: str = "cpu", max_model_l
         with torch.device(on):
             return LlamaForCausalLM(cfg, dtype=dtype, max_positions=positions)
 
-    if source.kind == "gguf":
-        cached = _gguf_cache(source.path)
-        if cached is not None:
-            # fused, sluice-native fp32 tensors: assign them, no copy, no fusing
-            from safetensors.torch import load_file
+    def finish(model: Any) -> Any:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.build_rope(device)
+        model.set_ops(Ops.for_model(dtype, device))
+        return model.eval()
 
-            raw_cfg, weights = cached
-            model = build(raw_cfg, "meta")
-            sd = load_file(str(weights), device=device)
-            if dtype != torch.float32:
-                sd = {k: v.to(dtype) for k, v in sd.items()}
-            try:
-                model.load_state_dict(sd, strict=True, assign=True)
-            except RuntimeError as e:
-                raise ModelLoadError(f"converted-weights cache {weights} does not match the model: {e}") from e
-            for p in model.parameters():
-                p.requires_grad_(False)
-            model.build_rope(device)
-            return model.eval()
-        reader = _gguf_reader(source.path)
-        raw_cfg = gguf_hf_config(reader, source.path)
-        sd = load_gguf_state_dict(reader, source.path, raw_cfg)
+    variant = _variant(quantization, quant_fallback, dtype)
+    use_cache = source.kind == "gguf" or quantization != "none"
+    cached = _read_cached_model(source, variant) if use_cache else None
+    if cached is not None:
+        # sluice-native tensors: assign them, no copy, no conversion
+        from safetensors.torch import load_file
+
+        raw_cfg, manifest, weights = cached
+        model = build(raw_cfg, "meta")
+        model.apply_manifest(manifest["linears"])
+        sd = load_file(str(weights), device=device)  # stored in the serving dtype (the variant says which)
+        try:
+            model.load_state_dict(sd, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ModelLoadError(f"converted-weights cache {weights} does not match the model: {e}") from e
+        return finish(model)
+
+    if quantization == "none":
+        if source.kind == "gguf":
+            reader = _gguf_reader(source.path)
+            raw_cfg = gguf_hf_config(reader, source.path)
+            sd = load_gguf_state_dict(reader, source.path, raw_cfg)
+        else:
+            raw_cfg = load_model_config(source)
+            sd = load_hf_state_dict(source.path)
+        report: dict[str, Any] = {}
     else:
+        from sluice.models.quant import load_quantized_weights
+
         raw_cfg = load_model_config(source)
-        sd = load_hf_state_dict(source.path)
+        sd, report = load_quantized_weights(source, quantization, quant_fallback)
     model = build(raw_cfg, device)
     try:
         model.load_hf_state_dict(sd)
     except ValueError as e:
         raise ModelLoadError(f"model {source.path}: {e}") from e
-    if source.kind == "gguf":
-        native = {k: v.float() for k, v in model.state_dict().items()}
-        _write_gguf_cache(source.path, raw_cfg, native)
-    return model.eval()
+    model = finish(model)
+    if use_cache:
+        root = _cache_root(source)
+        if not (root / "config.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            _atomic_file_write(root / "config.json", json.dumps(raw_cfg))
+        manifest_doc = {"linears": model.manifest(), "report": report, "layout": LAYOUT_VERSION}
+        _atomic_dir_write(root / variant, {"manifest.json": json.dumps(manifest_doc), "model.safetensors": model.state_dict()})
+    return model
+
+
+def _atomic_file_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,361 @@
+// Quantized GEMM kernels: see qgemm.h for the layout and the arithmetic.
+//
+// Each ISA path is a set of functions compiled with a GCC target attribute
+// (no -march=native anywhere), chosen at run time by the caller from
+// cpu_features().  All paths compute bit-identical results.
+#include "qgemm.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace sluice {
+
+#define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TGT_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+static inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// fp16 -> fp32 (exact), the same value vcvtph2ps gives.
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) {
+        man <<= 1;
+        --exp;
+      }
+      man &= 0x3ff;
+      bits = sign | (exp << 23) | (man << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline float scale_at(const WPack& w, const void* base, int64_t idx) {
+  return w.f16 ? half_to_float(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
+}
+
+// index of the first of the 16 scales of group g in tile t
+static inline int64_t sidx(const WPack& w, int64_t tile, int64_t g) { return (tile * w.NG + g) * kTile; }
+
+// ------------------------------------------------------------------ scalar
+
+template <int R>
+void tile_scalar(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
+  const int64_t bb = block_bytes(w.mode), K = a.K, KB = w.KB;
+  const bool split = w.G == 16;
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < kTile; ++l) res[r * kTile + l] = 0.f;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* wp = w.data + (tile * KB + kb) * bb;
+    for (int l = 0; l < kTile; ++l) {
+      // unpack the 32 values of lane l
+      int32_t qv[32];
+      if (w.mode == kW4) {
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t b = wp[c * 64 + l * 4 + j];
+            qv[8 * c + j] = b & 0x0f;
+            qv[8 * c + 4 + j] = b >> 4;
+          }
+      } else {
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < 4; ++j) qv[4 * c + j] = wp[c * 64 + l * 4 + j];
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* xq = a.q + m * K + kb * kBlock;
+        int32_t s0 = 0, s1 = 0;
+        for (int k = 0; k < 16; ++k) s0 += qv[k] * xq[k];
+        for (int k = 16; k < 32; ++k) s1 += qv[k] * xq[k];
+        const float dx = a.dx[m * KB + kb];
+        float acc = res[r * kTile + l];
+        if (!split) {
+          const int64_t g = kb * kBlock / w.G;
+          const float d = scale_at(w, w.scale, sidx(w, tile, g) + l);
+          const float mn = scale_at(w, w.mins, sidx(w, tile, g) + l);
+          acc = std::fma((float)(s0 + s1), d * dx, acc);
+          acc = std::fma(mn, a.dxs[m * KB + kb], acc);
+        } else {
+          const float d0 = scale_at(w, w.scale, sidx(w, tile, 2 * kb) + l);
+          const float d1 = scale_at(w, w.scale, sidx(w, tile, 2 * kb + 1) + l);
+          const float n0 = scale_at(w, w.mins, sidx(w, tile, 2 * kb) + l);
+          const float n1 = scale_at(w, w.mins, sidx(w, tile, 2 * kb + 1) + l);
+          acc = std::fma((float)s0, d0 * dx, acc);
+          acc = std::fma((float)s1, d1 * dx, acc);
+          acc = std::fma(n0, a.dxs16[m * 2 * KB + 2 * kb], acc);
+          acc = std::fma(n1, a.dxs16[m * 2 * KB + 2 * kb + 1], acc);
+        }
+        res[r * kTile + l] = acc;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX2 / AVX-VNNI (ymm: 8 lanes)
+
+template <bool F16>
+TGT_AVX2 static inline __m256 load8(const void* base, int64_t idx) {
+  if constexpr (F16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + idx)));
+  else
+    return _mm256_loadu_ps(static_cast<const float*>(base) + idx);
+}
+
+// sum over 4-byte groups of u8 (w) x s8 (x): one int32 per lane
+TGT_AVX2 static inline __m256i dot4_maddubs(__m256i acc, __m256i w, __m256i x) {
+  const __m256i p = _mm256_maddubs_epi16(w, x);  // u8*s8 pairs -> i16 (q < 128: no saturation)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+TGT_AVXVNNI static inline __m256i dot4_vnni(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+}
+
+// 8-bit values up to 255 on plain AVX2: maddubs would saturate (255*127*2 > 32767),
+// so compute (q-128)*x with the sign trick (|q-128| <= 128: 128*127*2 fits) and
+// add 128*xs afterwards (done by the caller).
+TGT_AVX2 static inline __m256i dot4_signed(__m256i acc, __m256i w_u8, __m256i x) {
+  const __m256i s = _mm256_xor_si256(w_u8, _mm256_set1_epi8((char)0x80));  // q - 128 as s8
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(x, s));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+#define YMM_NAME tile_ymm_avx2
+#define YMM_TARGET TGT_AVX2
+#define YMM_VNNI 0
+#include "qgemm_ymm.inc"
+#undef YMM_NAME
+#undef YMM_TARGET
+#undef YMM_VNNI
+#define YMM_NAME tile_ymm_vnni
+#define YMM_TARGET TGT_AVXVNNI
+#define YMM_VNNI 1
+#include "qgemm_ymm.inc"
+#undef YMM_NAME
+#undef YMM_TARGET
+#undef YMM_VNNI
+
+#define YMM_DISPATCH(FN)                                                      \
+  switch (w.mode * 2 + (w.f16 ? 1 : 0)) {                                     \
+    case kW4 * 2: return FN<R, kW4, false>(a, m0, w, tile, res);              \
+    case kW4 * 2 + 1: return FN<R, kW4, true>(a, m0, w, tile, res);           \
+    case kW8 * 2: return FN<R, kW8, false>(a, m0, w, tile, res);              \
+    case kW8 * 2 + 1: return FN<R, kW8, true>(a, m0, w, tile, res);           \
+    case kW8Small * 2: return FN<R, kW8Small, false>(a, m0, w, tile, res);    \
+    default: return FN<R, kW8Small, true>(a, m0, w, tile, res);               \
+  }
+
+template <int R>
+void tile_avx2(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
+  YMM_DISPATCH(tile_ymm_avx2)
+}
+template <int R>
+void tile_avxvnni(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
+  YMM_DISPATCH(tile_ymm_vnni)
+}
+
+// ------------------------------------------------------------------ AVX-512 VNNI (zmm: 16 lanes)
+
+template <bool F16>
+TGT_AVX512 static inline __m512 load16(const void* base, int64_t idx) {
+  if constexpr (F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + idx)));
+  else
+    return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
+}
+
+template <int R, int MODE, bool F16>
+TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
+  constexpr int64_t bb = MODE == kW4 ? 256 : 512;
+  const int64_t K = a.K, KB = w.KB;
+  const bool split = w.G == 16;
+  const int8_t* xrow[R];
+  for (int r = 0; r < R; ++r) xrow[r] = a.q + (m0 + r) * K;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* wp = w.data + tile * KB * bb;
+  for (int64_t kb = 0; kb < KB; ++kb, wp += bb) {
+    __m512i is0[R], is1[R];
+    for (int r = 0; r < R; ++r) is0[r] = is1[r] = _mm512_setzero_si512();
+    if constexpr (MODE == kW4) {
+      const __m512i mask = _mm512_set1_epi8(0x0f);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * 64);
+        const __m512i lo = _mm512_and_si512(v, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = xrow[r] + kb * kBlock + 8 * c;
+          is0[r] = _mm512_dpbusd_epi32(is0[r], lo, _mm512_set1_epi32(load_i32(xq)));
+          is0[r] = _mm512_dpbusd_epi32(is0[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = _mm512_set1_epi32(load_i32(xrow[r] + kb * kBlock + 4 * c));
+          if (split && c >= 4)
+            is1[r] = _mm512_dpbusd_epi32(is1[r], v, xb);
+          else
+            is0[r] = _mm512_dpbusd_epi32(is0[r], v, xb);
+        }
+      }
+    }
+    if (!split) {
+      const int64_t g = kb * kBlock / w.G;
+      const __m512 d = load16<F16>(w.scale, sidx(w, tile, g));
+      const __m512 mn = load16<F16>(w.mins, sidx(w, tile, g));
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[m * KB + kb]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is0[r]), ddx, acc[r]);
+        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.dxs[m * KB + kb]), acc[r]);
+      }
+    } else {
+      const __m512 d0 = load16<F16>(w.scale, sidx(w, tile, 2 * kb));
+      const __m512 d1 = load16<F16>(w.scale, sidx(w, tile, 2 * kb + 1));
+      const __m512 n0 = load16<F16>(w.mins, sidx(w, tile, 2 * kb));
+      const __m512 n1 = load16<F16>(w.mins, sidx(w, tile, 2 * kb + 1));
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512 dx = _mm512_set1_ps(a.dx[m * KB + kb]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is0[r]), _mm512_mul_ps(d0, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is1[r]), _mm512_mul_ps(d1, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(n0, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(n1, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb + 1]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, acc[r]);
+}
+
+template <int R>
+void tile_avx512(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
+  const bool f16 = w.f16;
+  if (w.mode == kW4) {
+    if (f16) tile_zmm<R, kW4, true>(a, m0, w, tile, res);
+    else tile_zmm<R, kW4, false>(a, m0, w, tile, res);
+  } else {
+    // 8-bit: u8 x s8 with int32 accumulation never saturates, all 8-bit modes alike
+    if (f16) tile_zmm<R, kW8, true>(a, m0, w, tile, res);
+    else tile_zmm<R, kW8, false>(a, m0, w, tile, res);
+  }
+}
+
+#define INSTANTIATE(R)                                                                   \
+  template void tile_scalar<R>(const ActQ&, int64_t, const WPack&, int64_t, float*);   \
+  template void tile_avx2<R>(const ActQ&, int64_t, const WPack&, int64_t, float*);     \
+  template void tile_avxvnni<R>(const ActQ&, int64_t, const WPack&, int64_t, float*);  \
+  template void tile_avx512<R>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+INSTANTIATE(1)
+INSTANTIATE(2)
+INSTANTIATE(3)
+INSTANTIATE(4)
+
+}  // namespace sluice
+
+namespace sluice {
+
+// ------------------------------------------------------------------ activation quantization
+//
+// Per row, per block of 32: dx = max|x| / 127, qx = round_half_even(x * (1/dx)).
+// The AVX2 and scalar versions perform the same float operations (cvtps rounds
+// to nearest even, as nearbyintf does in the default rounding mode).
+
+static void quant_block_scalar(const float* x, int8_t* q, float* dx, float* dxs, float* dxs16, int32_t* xs,
+                               int32_t* xs16) {
+  float amax = 0.f;
+  for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  int32_t s0 = 0, s1 = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int32_t v = (int32_t)std::nearbyint(x[k] * id);
+    q[k] = (int8_t)v;
+    (k < 16 ? s0 : s1) += v;
+  }
+  *dx = d;
+  *xs = s0 + s1;
+  xs16[0] = s0;
+  xs16[1] = s1;
+  *dxs = d * (float)(s0 + s1);
+  dxs16[0] = d * (float)s0;
+  dxs16[1] = d * (float)s1;
+}
+
+TGT_AVX2 static void quant_block_avx2(const float* x, int8_t* q, float* dx, float* dxs, float* dxs16, int32_t* xs,
+                                      int32_t* xs16) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+  // pack 32 int32 -> 32 int8 in order
+  const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);  // lanes interleaved per 128
+  const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);
+  __m256i p = _mm256_packs_epi16(p01, p23);
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  const __m256i s01 = _mm256_add_epi32(qi[0], qi[1]);
+  const __m256i s23 = _mm256_add_epi32(qi[2], qi[3]);
+  alignas(32) int32_t t0[8], t1[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t0), s01);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t1), s23);
+  int32_t s0 = 0, s1 = 0;
+  for (int i = 0; i < 8; ++i) {
+    s0 += t0[i];
+    s1 += t1[i];
+  }
+  *dx = d;
+  *xs = s0 + s1;
+  xs16[0] = s0;
+  xs16[1] = s1;
+  *dxs = d * (float)(s0 + s1);
+  dxs16[0] = d * (float)s0;
+  dxs16[1] = d * (float)s1;
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
+                   float* dxs16, int32_t* xs, int32_t* xs16, bool avx2) {
+  const int64_t KB = K / kBlock;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const int64_t i = m * KB + kb;
+      if (avx2)
+        quant_block_avx2(x + m * ldx + kb * kBlock, q + m * K + kb * kBlock, dx + i, dxs + i, dxs16 + 2 * i,
+                         xs + i, xs16 + 2 * i);
+      else
+        quant_block_scalar(x + m * ldx + kb * kBlock, q + m * K + kb * kBlock, dx + i, dxs + i, dxs16 + 2 * i,
+                           xs + i, xs16 + 2 * i);
+    }
+}
+
+}  // namespace sluice

@@ -1,0 +1,239 @@
+"""Linear layers behind one interface: full precision or group-wise quantized.
+
+    lin = make_linear([w_q, w_k, w_v], bias)    # each part: a float tensor or a QuantWeight
+    y = lin(x)                                   # (T, in) -> (T, out), float32
+    lin(x, residual=h)                           # h + x @ W^T, written in place into h
+
+A layer made of several parts (q/k/v, gate/up) that are all quantized the same
+way is packed as one matrix (one kernel call); otherwise each part keeps its own
+form and writes its own columns of the output (e.g. a GGUF Q4_K_M whose v rows
+are Q6_K, or a layer kept in float by the fallback policy).
+
+Quantized parts run sluice's int8-activation kernels (sluice/kernels/qlinear.py)
+on the path a ``KernelPlan`` picks per batch size.  Every path gives the same
+bits, so the plan may pick per batch size without a request's result ever
+depending on its batch (batch invariance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.kernels import qlinear as ql
+from sluice.kernels.qweight import QuantWeight
+
+__all__ = ["Linear", "KernelPlan", "make_linear", "concat_qweights"]
+
+# NOTE(batch-buckets): batch sizes at which the fastest kernel path may change;
+# a plan maps each bucket to a path (measured by sluice/kernels/autotune.py).
+BUCKETS = (1, 4, 16, 64, 1 << 30)
+
+
+@dataclass
+class KernelPlan:
+    """Which kernel path each (shape, batch bucket) uses.  Shared by all linears of a model."""
+
+    default: ql.Path = ql.Path.SCALAR
+    by_shape: dict[tuple[int, int, int], list[ql.Path]] = field(default_factory=dict)  # (n, k, mode) -> per bucket
+
+    def path(self, n: int, k: int, mode: int, m: int) -> ql.Path:
+        paths = self.by_shape.get((n, k, mode))
+        if paths is None:
+            return self.default
+        for i, top in enumerate(BUCKETS):
+            if m <= top:
+                return paths[i]
+        return paths[-1]
+
+
+def concat_qweights(parts: list[QuantWeight]) -> QuantWeight | None:
+    """Stack the rows of compatible quantized parts into one matrix (None if they differ in form)."""
+    first = parts[0]
+    if any(
+        (p.bits, p.group_size, p.zero_point, p.shape[1]) != (first.bits, first.group_size, first.zero_point, first.shape[1])
+        for p in parts
+    ):
+        return None
+    if len(parts) == 1:
+        return first
+    return QuantWeight(
+        q=torch.cat([p.q for p in parts]),
+        d=torch.cat([p.d for p in parts]),
+        m=torch.cat([p.m for p in parts]),
+        bits=first.bits,
+        group_size=first.group_size,
+        zero_point=first.zero_point,
+        source=first.source,
+    )
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ bias) (+ residual, in place), W split by output rows into parts.
+
+    Each part is a float weight (``dense_<i>``, (n_i, k)) or a packed quantized
+    weight (``q<i>_data``, ``q<i>_scale``, ``q<i>_mins`` buffers + meta).
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parts: list[tuple[str, int, int]] = []  # (kind 'dense'|'quant', index, n)
+        self.packed: list[ql.PackedWeight] = []
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None)
+        self.plan = KernelPlan()
+
+    # ---------------------------------------------------------------- building
+
+    def add_dense(self, w: torch.Tensor) -> None:
+        i = len(self.parts)
+        self.register_buffer(f"dense_{i}", w.contiguous(), persistent=True)
+        self.parts.append(("dense", i, int(w.shape[0])))
+
+    def add_quant(self, pw: ql.PackedWeight) -> None:
+        i = len(self.parts)
+        for name, t in pw.tensors().items():
+            self.register_buffer(f"q{i}_{name}", t, persistent=True)
+        self.packed.append(pw)
+        self.parts.append(("quant", i, pw.n))
+
+    def set_bias(self, b: torch.Tensor | None) -> None:
+        if b is None:
+            self.bias = None
+            return
+        dense_only = all(kind == "dense" for kind, _, _ in self.parts)
+        dtype = getattr(self, "dense_0").dtype if dense_only and self.parts else torch.float32
+        self.register_buffer("bias", b.to(dtype).contiguous(), persistent=True)
+
+    def finish(self) -> None:
+        n = sum(p[2] for p in self.parts)
+        if n != self.out_features:
+            raise ValueError(f"linear parts give {n} output features, expected {self.out_features}")
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(kind == "quant" for kind, _, _ in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for kind, i, _ in self.parts:
+            if kind == "dense":
+                t = getattr(self, f"dense_{i}")
+                total += t.numel() * t.element_size()
+            else:
+                total += self._packed(i).nbytes
+        return total
+
+    def manifest(self) -> dict[str, Any]:
+        """Structure of the parts (and whether there is a bias), to rebuild the module from cached tensors."""
+        parts: list[dict[str, Any]] = []
+        for kind, i, n in self.parts:
+            parts.append({"kind": kind, "n": n} if kind == "dense" else {"kind": kind, **self._packed(i).meta()})
+        return {"parts": parts, "bias": self.bias is not None}
+
+    @classmethod
+    def from_manifest(cls, in_features: int, out_features: int, manifest: dict[str, Any], dtype: torch.dtype) -> Linear:
+        """An empty (meta-tensor) Linear with the manifest's parts, for ``load_state_dict(assign=True)``."""
+        meta = torch.device("meta")
+        lin = cls(in_features, out_features)
+        for part in manifest["parts"]:
+            if part["kind"] == "dense":
+                lin.add_dense(torch.empty(part["n"], in_features, device=meta, dtype=dtype))
+            else:
+                e = torch.empty(0, device=meta)
+                info = {k: v for k, v in part.items() if k != "kind"}
+                lin.add_quant(ql.PackedWeight.from_parts({"data": e, "scale": e, "mins": e}, info))
+        if manifest["bias"]:
+            lin.bias = torch.empty(out_features, device=meta)
+        lin.finish()
+        return lin
+
+    def _packed(self, i: int) -> ql.PackedWeight:
+        j = sum(1 for kind, idx, _ in self.parts if kind == "quant" and idx < i)
+        pw = self.packed[j]
+        # buffers may have been replaced (load_state_dict(assign=True), .to()): read them back
+        pw.data, pw.scale, pw.mins = (getattr(self, f"q{i}_{s}") for s in ("data", "scale", "mins"))
+        return pw
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, in) -> (T, out); with ``residual`` (T, out): returns residual + x @ W^T, written into it."""
+        if len(self.parts) == 1 and self.parts[0][0] == "dense":  # full precision, serving dtype
+            y = F.linear(x, getattr(self, "dense_0"), self.bias)
+            return y if residual is None else residual.add_(y)
+        in_dtype = x.dtype
+        x = x.float().contiguous()
+        t = x.shape[0]
+        if residual is not None and residual.dtype == torch.float32 and residual.is_contiguous():
+            out = residual
+        else:
+            out = torch.empty(t, self.out_features, dtype=torch.float32)
+        xq: ql.ActQ | None = None
+        col = 0
+        bias = self.bias
+        for kind, i, n in self.parts:
+            b = None if bias is None else bias[col : col + n]
+            res = out if out is residual else None
+            if kind == "quant":
+                pw = self._packed(i)
+                path = self.plan.path(pw.n, pw.k, pw.mode, t)
+                if xq is None:
+                    xq = ql.quantize_activations(x, path)
+                ql.gemm(xq, pw, out, col, b, res, path)
+            else:
+                w = getattr(self, f"dense_{i}")
+                y = F.linear(x, w.float(), b)
+                if res is not None:
+                    out[:, col : col + n] += y
+                else:
+                    out[:, col : col + n] = y
+            col += n
+        if residual is not None and out is not residual:
+            residual.add_(out.to(residual.dtype))
+            return residual
+        return out if in_dtype == torch.float32 else out.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        kinds = ",".join(
+            kind if kind == "dense" else f"q{self._packed(i).bits}g{self._packed(i).group_size}"
+            for kind, i, _ in self.parts
+        )
+        return f"in={self.in_features}, out={self.out_features}, parts=[{kinds}]"
+
+
+def make_linear(
+    parts: list[torch.Tensor | QuantWeight], bias: torch.Tensor | None = None, *, fuse: bool = True
+) -> Linear:
+    """A Linear over row-stacked parts; quantized parts of one form are packed together."""
+    k = int(parts[0].shape[1])
+    n = sum(int(p.shape[0]) for p in parts)
+    lin = Linear(k, n)
+    quant = [p for p in parts if isinstance(p, QuantWeight)]
+    if fuse and len(quant) == len(parts):
+        stacked = concat_qweights(quant)  # type: ignore[arg-type]
+        if stacked is not None:
+            lin.add_quant(ql.pack(stacked))
+            lin.set_bias(bias)
+            lin.finish()
+            return lin
+    if fuse and not quant:
+        lin.add_dense(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore[arg-type]
+        lin.set_bias(bias)
+        lin.finish()
+        return lin
+    for p in parts:
+        if isinstance(p, QuantWeight):
+            lin.add_quant(ql.pack(p))
+        else:
+            lin.add_dense(p)
+    lin.set_bias(bias)
+    lin.finish()
+    return lin
