@@ -13,7 +13,7 @@ outs = llm.generate(
 for o in outs:
     print(repr(o.text), o.finish_reason, f"ttft={o.timings.ttft:.3f}s")
 
-answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+answer = llm.chat([{"role": "user", "content": "Name the capital of France."}], SamplingParams(temperature=0, max_tokens=32))
 print(answer[0].text)
 
 for piece in llm.stream("Once upon a time", SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32)):

@@ -11,9 +11,9 @@ Backends (chosen once at start-up, reported by ``sluice doctor``):
   contiguous tensor and runs ``scaled_dot_product_attention``.
 - ``cpu_paged``: reads K/V in place from the blocks with a small C++ kernel
   (sluice/kernels/csrc/paged_attention.cpp, compiled when the package is
-  installed), online softmax, OpenMP over (token, head).  A sequence's first
-  prefill chunk (no earlier context) does not touch the cache at all: it uses
-  SDPA with a causal mask on the fresh K/V.
+  installed), online softmax, OpenMP over (token, KV head).  Every row goes
+  through it, fresh prefills included, so a prompt's result does not depend
+  on how it was chunked.
 
 Both write the new K/V into the cache first (``index_copy_`` on the slots).
 """
@@ -129,24 +129,19 @@ class CpuPagedAttention(AttentionBackend):
 
     def set_metadata(self, meta: AttentionMetadata) -> None:
         super().set_metadata(meta)
-        # sequences whose whole context is new this step: plain causal SDPA on the
-        # fresh K/V, and the kernel skips them (no cache read, no discarded work)
-        self._fresh = [meta.q_len(i) == meta.seq_lens[i] and meta.q_len(i) > 1 for i in range(meta.num_seqs)]
-        self._skip = torch.tensor(self._fresh, dtype=torch.uint8)
+        # NOTE(batch-invariance): every row, fresh prefills included, goes through the
+        # kernel, which reduces each (token, head) over its own keys in block order:
+        # a prompt gives the same bits however the scheduler chunks it.
+        self._skip = torch.zeros(meta.num_seqs, dtype=torch.uint8)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         assert meta is not None
         self._write(layer, k, v)
         kc, vc = self.k_caches[layer], self.v_caches[layer]
-        out = self.kernel.paged_attention(
+        return self.kernel.paged_attention(  # type: ignore[no-any-return]
             q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale
         )
-        for i, fresh in enumerate(self._fresh):
-            if fresh:
-                s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-                out[s:e] = self._sdpa_causal(q[s:e], k[s:e], v[s:e])
-        return out
 
 
 def available_backends(device: str) -> list[str]:

@@ -29,6 +29,7 @@ __all__ = [
     "SchedulingPolicy",
     "ATTENTION_BACKENDS",
     "DTYPES",
+    "QUANTIZATIONS",
     "parse_bytes",
     "BLOCK_SIZE",
 ]
@@ -47,7 +48,8 @@ class SchedulingPolicy(str, enum.Enum):
     WFQ = "wfq"
 
 
-ATTENTION_BACKENDS = ("torch", "cpu_paged")  # ``engine.attention.make_attention_backend`` names
+ATTENTION_BACKENDS = ("torch", "cpu_paged")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # ``models.loader.load_model`` modes  # ``engine.attention.make_attention_backend`` names
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -91,6 +93,13 @@ class EngineConfig:
         "Reuse the KV blocks of shared prompt prefixes."))
     num_threads: int | None = field(default=None, metadata=setting(
         "Engine torch intra-op threads (default: torch's, one per core)."))
+    quantization: str = field(default="auto", metadata=setting(
+        "Weight format served: auto (what the checkpoint holds: GGUF / AWQ / GPTQ weights as they are, "
+        "float checkpoints in float), none (everything dequantized to --dtype), int8 / int4 (quantized at "
+        "load, round-to-nearest per group), gguf (a GGUF file as it is).", choices=QUANTIZATIONS))
+    quant_fallback: str = field(default="auto", metadata=setting(
+        "Layers kept in float when quantizing at load: auto (the most sensitive ones, measured on "
+        "calibration text), none, or comma-separated patterns of HF weight names (fnmatch)."))
 
     def validate(self) -> None:
         """Range and name checks; ``ConfigError`` naming the field (``.setting``)."""
@@ -111,6 +120,8 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise bad("attention_backend",
                       f"unknown backend {self.attention_backend!r}: use {', '.join(ATTENTION_BACKENDS)}")  # fmt: skip
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"unknown quantization {self.quantization!r}: use {', '.join(QUANTIZATIONS)}")
         if self.scheduling_policy not in {p.value for p in SchedulingPolicy}:
             names = ", ".join(p.value for p in SchedulingPolicy)
             raise bad("scheduling_policy", f"unknown policy {self.scheduling_policy!r}: use {names}")
@@ -130,3 +141,5 @@ class ModelInfo:
     num_blocks: int
     block_size: int
     attention_backend: str
+    quantization: str = "none"  # what the weights are served as: 'none' or e.g. 'gguf:Q4_1+Q8_0'
+    kernel_path: str = ""  # quantized GEMM path picked at start-up ('' when nothing is quantized)

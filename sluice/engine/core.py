@@ -72,6 +72,8 @@ class EngineCore:
             num_blocks=self.runner.num_blocks,
             block_size=BLOCK_SIZE,
             attention_backend=self.runner.attention.name,
+            quantization=self.runner.quantization,
+            kernel_path=self.runner.kernel_path,
         )
 
     # ------------------------------------------------------------ requests

@@ -25,6 +25,7 @@ from sluice.engine.protocol import TokenLogprobs
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.errors import InvalidRequestError
+from sluice.kernels.autotune import plan_kernels
 from sluice.models.loader import ModelSource, load_model
 
 __all__ = ["ModelRunner", "resolve_dtype", "kv_bytes_per_block"]
@@ -59,7 +60,17 @@ class ModelRunner:
         if threads:
             torch.set_num_threads(threads)
         t0 = time.monotonic()
-        self.model = load_model(source, self.dtype, config.device, max_model_len=config.max_model_len)
+        self.model = load_model(
+            source,
+            self.dtype,
+            config.device,
+            max_model_len=config.max_model_len,
+            quantization=config.quantization,
+            quant_fallback=config.quant_fallback,
+        )
+        self.kernel_path = plan_kernels(self.model)
+        sources = sorted({pw.source or f"int{pw.bits}" for lin in self.model.linears().values() for pw in lin.packed})
+        self.quantization = "+".join(sources) or "none"
         self.max_model_len: int = self.model.max_positions
         cfg = self.model.cfg
         self.model_config = cfg

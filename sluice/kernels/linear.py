@@ -31,7 +31,7 @@ __all__ = ["Linear", "KernelPlan", "make_linear", "concat_qweights"]
 
 # NOTE(batch-buckets): batch sizes at which the fastest kernel path may change;
 # a plan maps each bucket to a path (measured by sluice/kernels/autotune.py).
-BUCKETS = (1, 4, 16, 64, 1 << 30)
+BUCKETS = (1, 4, 16, 64, (1 << 62))
 
 
 @dataclass
@@ -41,10 +41,12 @@ class KernelPlan:
     default: ql.Path = ql.Path.SCALAR
     by_shape: dict[tuple[int, int, int], list[ql.Path]] = field(default_factory=dict)  # (n, k, mode) -> per bucket
 
+    def paths_for(self, n: int, k: int, mode: int) -> list[ql.Path]:
+        """The path of each batch bucket (``BUCKETS``) for one shape."""
+        return self.by_shape.get((n, k, mode), [self.default] * len(BUCKETS))
+
     def path(self, n: int, k: int, mode: int, m: int) -> ql.Path:
-        paths = self.by_shape.get((n, k, mode))
-        if paths is None:
-            return self.default
+        paths = self.paths_for(n, k, mode)
         for i, top in enumerate(BUCKETS):
             if m <= top:
                 return paths[i]
@@ -88,6 +90,7 @@ class Linear(nn.Module):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None)
         self.plan = KernelPlan()
+        self.op: Any = None  # the C++ QLinearOp once prepare() ran
 
     # ---------------------------------------------------------------- building
 
@@ -135,7 +138,11 @@ class Linear(nn.Module):
         """Structure of the parts (and whether there is a bias), to rebuild the module from cached tensors."""
         parts: list[dict[str, Any]] = []
         for kind, i, n in self.parts:
-            parts.append({"kind": kind, "n": n} if kind == "dense" else {"kind": kind, **self._packed(i).meta()})
+            if kind == "dense":
+                parts.append({"kind": kind, "n": n})
+            else:
+                pw = self._packed(i)
+                parts.append({"kind": kind, "scale_dtype": str(pw.scale.dtype).removeprefix("torch."), **pw.meta()})
         return {"parts": parts, "bias": self.bias is not None}
 
     @classmethod
@@ -147,9 +154,16 @@ class Linear(nn.Module):
             if part["kind"] == "dense":
                 lin.add_dense(torch.empty(part["n"], in_features, device=meta, dtype=dtype))
             else:
-                e = torch.empty(0, device=meta)
-                info = {k: v for k, v in part.items() if k != "kind"}
-                lin.add_quant(ql.PackedWeight.from_parts({"data": e, "scale": e, "mins": e}, info))
+                info = {k: v for k, v in part.items() if k not in ("kind", "scale_dtype")}
+                nt, kb, ng = -(-info["n"] // ql.TILE), info["k"] // ql.BLOCK, info["k"] // info["group_size"]
+                nbytes = nt * kb * (256 if info["mode"] == ql.MODE_W4 else 512)
+                sdt = getattr(torch, part["scale_dtype"])
+                tensors = {
+                    "data": torch.empty(nbytes, dtype=torch.uint8, device=meta),
+                    "scale": torch.empty(nt, ng, ql.TILE, dtype=sdt, device=meta),
+                    "mins": torch.empty(nt, ng, ql.TILE, dtype=sdt, device=meta),
+                }
+                lin.add_quant(ql.PackedWeight.from_parts(tensors, info))
         if manifest["bias"]:
             lin.bias = torch.empty(out_features, device=meta)
         lin.finish()
@@ -164,8 +178,51 @@ class Linear(nn.Module):
 
     # ---------------------------------------------------------------- forward
 
+    def prepare(self) -> None:
+        """Build the C++ op over the current buffers (after loading, moving, or a new plan).
+
+        float32 on the CPU with the kernel extension: one C++ call per forward.
+        Anything else (bf16, CUDA, no compiler) keeps the Python path.
+        """
+        self.op = None
+        tensors = [getattr(self, f"dense_{i}") if kind == "dense" else self._packed(i).data for kind, i, _ in self.parts]
+        if not tensors or any(t.device.type != "cpu" or t.is_meta for t in tensors):
+            return
+        if any(kind == "dense" and getattr(self, f"dense_{i}").dtype != torch.float32 for kind, i, _ in self.parts):
+            return
+        if not self.is_quantized and self.bias is None and len(self.parts) == 1:
+            return  # one dense matrix: F.linear is already a single call
+        try:
+            mod = ql.kernel_module()
+        except Exception:  # noqa: BLE001 -- no kernels: the Python path serves
+            return
+        op = mod.QLinearOp(self.in_features, self.out_features)
+        for j, (kind, i, _) in enumerate(self.parts):
+            if kind == "dense":
+                op.add_dense(getattr(self, f"dense_{i}"))
+            else:
+                pw = self._packed(i)
+                op.add_quant(pw.data, pw.scale, pw.mins, pw.n, pw.group_size, pw.mode)
+                paths = self.plan.paths_for(pw.n, pw.k, pw.mode)
+                op.set_paths(j, list(BUCKETS[: len(paths)]), [int(p) for p in paths])
+        op.set_bias(None if self.bias is None else self.bias.float())
+        self.op = op
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Linear:
+        out = super()._apply(fn, recurse)
+        if self.op is not None:  # the op holds the old tensors
+            self.prepare()
+        return out
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (T, in) -> (T, out); with ``residual`` (T, out): returns residual + x @ W^T, written into it."""
+        op = self.op
+        if op is not None and x.dtype == torch.float32:
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            if residual is not None and residual.dtype == torch.float32 and residual.stride(-1) == 1:
+                return op.forward(x, residual)  # type: ignore[no-any-return]
+            y = op.forward(x)
+            return y if residual is None else residual.add_(y)
         if len(self.parts) == 1 and self.parts[0][0] == "dense":  # full precision, serving dtype
             y = F.linear(x, getattr(self, "dense_0"), self.bias)
             return y if residual is None else residual.add_(y)

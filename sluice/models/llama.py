@@ -33,7 +33,7 @@ from sluice.kernels.linear import Linear, make_linear
 from sluice.kernels.qweight import QuantWeight
 from sluice.models.config import ModelConfig
 
-__all__ = ["LlamaForCausalLM", "AttentionFn", "WeightValue"]
+__all__ = ["LlamaForCausalLM", "AttentionFn", "WeightValue", "Rope"]
 
 WeightValue = torch.Tensor | QuantWeight
 
@@ -99,6 +99,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(None)
+        self.fused = False  # set by LlamaForCausalLM.prepare()
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -111,16 +112,35 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(h, 2 * cfg.intermediate_size)
         self.down = Linear(cfg.intermediate_size, h)
 
+    def can_fuse(self) -> bool:
+        """float32 on the CPU with every linear behind a C++ op: three C++ calls per layer."""
+        return self.ops.fused is not None and all(
+            lin.op is not None for lin in (self.qkv, self.o_proj, self.gate_up, self.down)
+        )
+
     def forward(
         self,
         idx: int,
         x: torch.Tensor,  # (T, hidden); updated in place (residual adds)
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         attention: AttentionFn,
     ) -> torch.Tensor:
         t = x.shape[0]
+        if self.fused:
+            k = self.ops.fused
+            qkv = k.attn_in(x, self.input_norm, self.eps, self.qkv.op, rope.positions, rope.cos_table,
+                            rope.sin_table, self.num_heads, self.num_kv_heads, self.head_dim)  # fmt: skip
+            q, kk, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            attn = attention(
+                idx,
+                q.view(t, self.num_heads, self.head_dim),
+                kk.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim),
+            )
+            self.o_proj.op.forward(attn.reshape(t, self.q_size), x)  # x += attn @ Wo^T
+            return k.mlp(x, self.post_attn_norm, self.eps, self.gate_up.op, self.down.op)  # type: ignore[no-any-return]
         ops = self.ops
+        cos, sin = rope.gathered()
         hs = ops.rms_norm(x, self.input_norm, self.eps)
         qkv = self.qkv(hs)  # (T, q + 2kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -131,6 +151,22 @@ class DecoderLayer(nn.Module):
         x = self.o_proj(attn, residual=x)  # x += attn @ Wo^T
         hs = ops.rms_norm(x, self.post_attn_norm, self.eps)
         return self.down(ops.silu_mul(self.gate_up(hs)), residual=x)
+
+
+class Rope:
+    """Rotary tables and the step's positions; the torch path gathers them once per step."""
+
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor):
+        self.positions, self.cos_table, self.sin_table = positions, cos_table, sin_table
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:  # (T, 1, D) each
+        if self._gathered is None:
+            self._gathered = (
+                self.cos_table[self.positions].unsqueeze(1),
+                self.sin_table[self.positions].unsqueeze(1),
+            )
+        return self._gathered
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,6 +199,15 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         for layer in self.layers:
             cast(DecoderLayer, layer).ops = ops
+        self.prepare()
+
+    def prepare(self) -> None:
+        """Build the linears' C++ ops and pick each layer's path (after loading or re-planning)."""
+        for lin in self.linears().values():
+            lin.prepare()
+        for layer in self.layers:
+            dl = cast(DecoderLayer, layer)
+            dl.fused = dl.can_fuse()
 
     def linears(self) -> dict[str, Linear]:
         """Every Linear of the model by module name (``layers.0.qkv``, ``embed``, ...)."""
@@ -185,10 +230,9 @@ class LlamaForCausalLM(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:  # (T, hidden), final-normed
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        rope = Rope(positions, self.rope_cos, self.rope_sin)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, cos, sin, attention)
+            x = layer(i, x, rope, attention)
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

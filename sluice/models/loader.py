@@ -358,6 +358,8 @@ def load_model(
         model.set_ops(Ops.for_model(dtype, device))
         return model.eval()
 
+    if quantization == "auto" and source.kind == "hf" and not load_model_config(source).get("quantization_config"):
+        quantization = "none"  # a float checkpoint: auto serves it as it is
     variant = _variant(quantization, quant_fallback, dtype)
     use_cache = source.kind == "gguf" or quantization != "none"
     cached = _read_cached_model(source, variant) if use_cache else None
@@ -385,10 +387,7 @@ def load_model(
             sd = load_hf_state_dict(source.path)
         report: dict[str, Any] = {}
     else:
-        from sluice.models.quant import load_quantized_weights
-
-        raw_cfg = load_model_config(source)
-        sd, report = load_quantized_weights(source, quantization, quant_fallback)
+        raw_cfg, sd, report = _quantized_state_dict(source, quantization, quant_fallback)
     model = build(raw_cfg, device)
     try:
         model.load_hf_state_dict(sd)
@@ -403,6 +402,26 @@ def load_model(
         manifest_doc = {"linears": model.manifest(), "report": report, "layout": LAYOUT_VERSION}
         _atomic_dir_write(root / variant, {"manifest.json": json.dumps(manifest_doc), "model.safetensors": model.state_dict()})
     return model
+
+
+def _quantized_state_dict(
+    source: ModelSource, quantization: str, quant_fallback: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    try:
+        from sluice.models.quant import load_quantized_weights
+    except ImportError:  # NOTE(interim): until the quant package exports its loader, GGUF as is
+        load_quantized_weights = None
+    if load_quantized_weights is not None:
+        raw_cfg = load_model_config(source)
+        sd, report = load_quantized_weights(source, quantization, quant_fallback)
+        return raw_cfg, sd, report
+    if source.kind != "gguf" or quantization not in ("auto", "gguf"):
+        raise ModelLoadError(f"quantization {quantization!r} of {source.path} is not available in this build")
+    from sluice.models.quant.gguf import gguf_quant_state_dict
+
+    reader = _gguf_reader(source.path)
+    raw_cfg = gguf_hf_config(reader, source.path)
+    return raw_cfg, gguf_quant_state_dict(reader, source.path, raw_cfg), {}
 
 
 def _atomic_file_write(path: Path, text: str) -> None:

@@ -43,6 +43,8 @@ CLONES void silu_mul_rows(const float* gu, int64_t ld, float* y, int64_t ldy, in
   }
 }
 
+}  // namespace
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "rms_norm: x (T, H) float32");
   TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "rms_norm: weight (H,)");
@@ -64,8 +66,6 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   });
   return y;
 }
-
-}  // namespace
 
 void register_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)");

@@ -5,7 +5,10 @@
 // cpu_features().  All paths compute bit-identical results.
 #include "qgemm.h"
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
 
 #include <cmath>
 #include <cstring>
@@ -356,6 +359,52 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
         quant_block_scalar(x + m * ldx + kb * kBlock, q + m * K + kb * kBlock, dx + i, dxs + i, dxs16 + 2 * i,
                            xs + i, xs16 + 2 * i);
     }
+}
+
+}  // namespace sluice
+
+namespace sluice {
+
+using TileFn = void (*)(const ActQ&, int64_t, const WPack&, int64_t, float*);
+
+static TileFn pick(int path, int r) {
+  static const TileFn table[4][4] = {
+      {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
+      {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>},
+      {tile_avxvnni<1>, tile_avxvnni<2>, tile_avxvnni<3>, tile_avxvnni<4>},
+      {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>},
+  };
+  return table[path][r - 1];
+}
+
+void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
+              const float* resid, int64_t ldr, int path) {
+  const TileFn fns[4] = {pick(path, 1), pick(path, 2), pick(path, 3), pick(path, 4)};
+  // NOTE(parallel): tiles of output channels are split across threads; the K
+  // reduction of one element is never split, so the thread count cannot change it.
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * M));
+  at::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) float res[4 * kTile];
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int r = (int)std::min<int64_t>(4, M - m0);
+        fns[r - 1](a, m0, w, tile, res);
+        for (int i = 0; i < r; ++i) {
+          const int64_t m = m0 + i;
+          float* orow = out + m * ldo + col0;
+          const float* rrow = resid ? resid + m * ldr + col0 : nullptr;
+          for (int l = 0; l < kTile; ++l) {
+            const int64_t n = tile * kTile + l;
+            if (n >= w.N) break;
+            float y = res[i * kTile + l];
+            if (bias) y = y + bias[n];
+            if (rrow) y = rrow[n] + y;
+            orow[n] = y;
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace sluice

@@ -67,6 +67,10 @@ inline int64_t block_bytes(int mode) { return mode == kW4 ? 256 : 512; }
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
                    float* dxs16, int32_t* xs, int32_t* xs16, bool avx2);
 
+// out[m, col0 + n] = (resid[m, col0 + n] +) (bias[n] +) x[m] . w[n], for m < M, n < w.N (OpenMP over tiles)
+void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
+              const float* resid, int64_t ldr, int path);
+
 // Compute R rows (m0..m0+R-1) x one tile of 16 channels; res: R x 16 floats.
 template <int R>
 void tile_scalar(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res);

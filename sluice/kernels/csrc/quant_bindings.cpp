@@ -69,18 +69,6 @@ std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, bool use_avx2) {
   return {q, dx, dxs, dxs16, xs, xs16};
 }
 
-using TileFn = void (*)(const ActQ&, int64_t, const WPack&, int64_t, float*);
-
-TileFn pick(int64_t path, int r) {
-  static const TileFn table[4][4] = {
-      {sluice::tile_scalar<1>, sluice::tile_scalar<2>, sluice::tile_scalar<3>, sluice::tile_scalar<4>},
-      {sluice::tile_avx2<1>, sluice::tile_avx2<2>, sluice::tile_avx2<3>, sluice::tile_avx2<4>},
-      {sluice::tile_avxvnni<1>, sluice::tile_avxvnni<2>, sluice::tile_avxvnni<3>, sluice::tile_avxvnni<4>},
-      {sluice::tile_avx512<1>, sluice::tile_avx512<2>, sluice::tile_avx512<3>, sluice::tile_avx512<4>},
-  };
-  return table[path][r - 1];
-}
-
 // out[m, col0 + n] = (residual[m, col0 + n] +) (bias[n] +) sum_k x[m, k] w[n, k]
 // act: the 6 tensors of quantize_act; weight: (data, scale, mins).
 void qgemm(const std::vector<torch::Tensor>& act, const std::vector<torch::Tensor>& weight, int64_t N, int64_t G,
@@ -118,31 +106,7 @@ void qgemm(const std::vector<torch::Tensor>& act, const std::vector<torch::Tenso
          act[4].data_ptr<int32_t>(), act[5].data_ptr<int32_t>(), K};
   WPack w{data.data_ptr<uint8_t>(), weight[1].data_ptr(), weight[2].data_ptr(), N, K, NT, KB, NG, (int)G, (int)mode,
           f16};
-  float* op = out.data_ptr<float>();
-  const int64_t ldo = out.stride(0);
-  // NOTE(parallel): tiles of output channels are split across threads; the K
-  // reduction of one element is never split, so the thread count cannot change it.
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, KB * M));
-  at::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
-    alignas(64) float res[4 * sluice::kTile];
-    for (int64_t tile = t0; tile < t1; ++tile) {
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int r = (int)std::min<int64_t>(4, M - m0);
-        pick(path, r)(a, m0, w, tile, res);
-        for (int i = 0; i < r; ++i) {
-          const int64_t m = m0 + i;
-          for (int l = 0; l < sluice::kTile; ++l) {
-            const int64_t n = tile * sluice::kTile + l;
-            if (n >= N) break;
-            float y = res[i * sluice::kTile + l];
-            if (bp) y = y + bp[n];
-            if (rp) y = rp[m * ldr + col0 + n] + y;
-            op[m * ldo + col0 + n] = y;
-          }
-        }
-      }
-    }
-  });
+  sluice::run_gemm(a, M, w, out.data_ptr<float>(), out.stride(0), col0, bp, rp, ldr, (int)path);
 }
 
 // rows `ids` of the packed weight, dequantized: d * (q - z) + m, exactly as the canonical form
@@ -190,4 +154,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "quantized GEMM into out[:, col0:col0+N]");
   m.def("dequant_rows", &dequant_rows, "dequantize rows of a packed weight (embedding lookup)");
   sluice::register_ops(m);
+  sluice::register_qlinear(m);
 }
