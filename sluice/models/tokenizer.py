@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import InvalidRequestError, ModelLoadError
-from sluice.models.loader import ModelSource, cache_dir, file_digest, resolve_model
+from sluice.models.source import ModelSource, cache_dir, file_digest, resolve_model
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizer"]
 

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from sluice.kernels.qweight import QuantWeight
-from sluice.models.loader import ModelSource, cache_dir, file_digest
 from sluice.models.quant.calibrate import CALIBRATION_TOKENS, english_text
 from sluice.models.quant.fallback import (
     DEFAULT_KL_BOUND,
@@ -51,6 +50,7 @@ from sluice.models.quant.fallback import (
     parse_fallback,
 )
 from sluice.models.quant.rtn import quantize_rtn
+from sluice.models.source import ModelSource, cache_dir, file_digest
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -93,12 +93,12 @@ def _dense(w: QuantWeight | torch.Tensor) -> torch.Tensor:
 def _read_native(source: ModelSource, fmt: str, dequantize: bool) -> tuple[dict[str, Any], dict[str, QuantWeight | torch.Tensor]]:
     """(HF config, HF-named state dict) of the checkpoint, quantized tensors kept as ``QuantWeight``
     (or exact float32 when ``dequantize``; act-order GPTQ can only be read that way)."""
-    from sluice.models.loader import (
-        _gguf_reader,
+    from sluice.models.files import (
         gguf_hf_config,
         load_hf_state_dict,
         load_model_config,
     )
+    from sluice.models.files import gguf_reader as _gguf_reader
 
     if fmt == "gguf":
         from sluice.models.quant.gguf import gguf_quant_state_dict

@@ -116,22 +116,29 @@ class ReferenceModel:
         self.model.load_hf_state_dict({k: _dense(v) for k, v in sd.items()})
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF name -> (sluice parameter, first row, end row): q/k/v live in ``qkv``, gate/up in ``gate_up``."""
+        """HF name -> (sluice weight tensor, first row, end row): q/k/v live in ``qkv``, gate/up in ``gate_up``.
+
+        The reference model's linears are full precision, one dense matrix each (``Linear.dense_0``).
+        """
         c, m = self.cfg, cast(Any, self.model)
+
+        def w(lin: Any) -> torch.Tensor:
+            return cast(torch.Tensor, lin.dense_0)
+
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        out: dict[str, tuple[torch.Tensor, int, int]] = {"model.embed_tokens.weight": (m.embed, 0, c.vocab_size)}
+        out: dict[str, tuple[torch.Tensor, int, int]] = {"model.embed_tokens.weight": (w(m.embed), 0, c.vocab_size)}
         if m.lm_head is not None:
-            out["lm_head.weight"] = (m.lm_head, 0, c.vocab_size)
+            out["lm_head.weight"] = (w(m.lm_head), 0, c.vocab_size)
         for i, layer in enumerate(self.model.layers):
             pre, lay = f"model.layers.{i}.", cast(Any, layer)
             rows = {
-                "self_attn.q_proj": (lay.qkv, 0, q),
-                "self_attn.k_proj": (lay.qkv, q, q + kv),
-                "self_attn.v_proj": (lay.qkv, q + kv, q + 2 * kv),
-                "self_attn.o_proj": (lay.o_proj, 0, c.hidden_size),
-                "mlp.gate_proj": (lay.gate_up, 0, inter),
-                "mlp.up_proj": (lay.gate_up, inter, 2 * inter),
-                "mlp.down_proj": (lay.down, 0, c.hidden_size),
+                "self_attn.q_proj": (w(lay.qkv), 0, q),
+                "self_attn.k_proj": (w(lay.qkv), q, q + kv),
+                "self_attn.v_proj": (w(lay.qkv), q + kv, q + 2 * kv),
+                "self_attn.o_proj": (w(lay.o_proj), 0, c.hidden_size),
+                "mlp.gate_proj": (w(lay.gate_up), 0, inter),
+                "mlp.up_proj": (w(lay.gate_up), inter, 2 * inter),
+                "mlp.down_proj": (w(lay.down), 0, c.hidden_size),
             }
             out.update({pre + k + ".weight": v for k, v in rows.items()})
         return out

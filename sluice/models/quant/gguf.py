@@ -214,12 +214,12 @@ def qweight_from_gguf(tensor: Any) -> QuantWeight | torch.Tensor:
 
 
 def unpermute_rows(w: QuantWeight | torch.Tensor, n_head: int) -> QuantWeight | torch.Tensor:
-    """Undo the q/k row permutation of llama.cpp's converter (see ``loader._unpermute``).
+    """Undo the q/k row permutation of llama.cpp's converter (see ``files.unpermute``).
 
     It reorders output rows only, so it applies to ``q``, ``d`` and ``m`` alike and
     changes no value.
     """
-    from sluice.models.loader import _unpermute
+    from sluice.models.files import unpermute as _unpermute
 
     if isinstance(w, torch.Tensor):
         return _unpermute(w, n_head).contiguous()
@@ -241,7 +241,7 @@ def gguf_quant_state_dict(reader: Any, path: Any, cfg: dict[str, Any]) -> dict[s
     loader's GGUF -> HF table), same q/k un-permutation for Llama/Mistral, no
     value changed.  ``cfg`` is ``loader.gguf_hf_config(reader, path)``.
     """
-    from sluice.models.loader import _gguf_hf_name
+    from sluice.models.files import gguf_hf_name as _gguf_hf_name
 
     permute = cfg["model_type"] in ("llama", "mistral")
     heads = {"q_proj.weight": cfg["num_attention_heads"], "k_proj.weight": cfg["num_key_value_heads"]}
