@@ -49,7 +49,8 @@ class SchedulingPolicy(str, enum.Enum):
 
 
 ATTENTION_BACKENDS = ("torch", "cpu_paged")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # ``models.loader.load_model`` modes  # ``engine.attention.make_attention_backend`` names
+# ``models.quant.QUANTIZATION_MODES`` (a test keeps the two lists equal)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "awq", "gptq", "sluice")  # ``engine.attention.make_attention_backend`` names
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -96,7 +97,8 @@ class EngineConfig:
     quantization: str = field(default="auto", metadata=setting(
         "Weight format served: auto (what the checkpoint holds: GGUF / AWQ / GPTQ weights as they are, "
         "float checkpoints in float), none (everything dequantized to --dtype), int8 / int4 (quantized at "
-        "load, round-to-nearest per group), gguf (a GGUF file as it is).", choices=QUANTIZATIONS))
+        "load, round-to-nearest per group), gguf / awq / gptq / sluice (that checkpoint format, as it is).",
+        choices=QUANTIZATIONS))
     quant_fallback: str = field(default="auto", metadata=setting(
         "Layers kept in float when quantizing at load: auto (the most sensitive ones, measured on "
         "calibration text), none, or comma-separated patterns of HF weight names (fnmatch)."))

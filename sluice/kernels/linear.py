@@ -18,7 +18,7 @@ depending on its batch (batch invariance).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +74,31 @@ def concat_qweights(parts: list[QuantWeight]) -> QuantWeight | None:
     )
 
 
+def pack_fp32(w: torch.Tensor) -> torch.Tensor:
+    """(n, k) float -> (ceil(n/16), k, 16) float32: the batch-invariant dense layout (qgemm.cpp)."""
+    n, k = w.shape
+    nt = -(-n // ql.TILE)
+    w = w.float()
+    if nt * ql.TILE != n:
+        w = torch.cat([w, w.new_zeros(nt * ql.TILE - n, k)])
+    return w.view(nt, ql.TILE, k).transpose(1, 2).contiguous()
+
+
+def unpack_fp32(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of ``pack_fp32``: (n, k) float32 (exact)."""
+    nt, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(nt * ql.TILE, k)[:n]
+
+
 class Linear(nn.Module):
     """y = x @ W^T (+ bias) (+ residual, in place), W split by output rows into parts.
 
-    Each part is a float weight (``dense_<i>``, (n_i, k)) or a packed quantized
-    weight (``q<i>_data``, ``q<i>_scale``, ``q<i>_mins`` buffers + meta).
+    Each part is one of
+      ``dense``  a float weight ``dense_<i>`` (n_i, k), run by BLAS (fastest; the
+                 model's full-precision path);
+      ``fp32``   a float32 weight packed ``f<i>_data`` (ceil(n_i/16), k, 16), run by
+                 sluice's batch-invariant float kernel (float layers of a quantized model);
+      ``quant``  a packed quantized weight (``q<i>_data``, ``q<i>_scale``, ``q<i>_mins`` + meta).
     """
 
     def __init__(self, in_features: int, out_features: int):
@@ -99,6 +119,22 @@ class Linear(nn.Module):
         self.register_buffer(f"dense_{i}", w.contiguous(), persistent=True)
         self.parts.append(("dense", i, int(w.shape[0])))
 
+    def add_fp32(self, w: torch.Tensor) -> None:
+        """A float part for the batch-invariant kernel: (n, k), or already packed (then fix n after)."""
+        i = len(self.parts)
+        self.register_buffer(f"f{i}_data", w if w.dim() == 3 else pack_fp32(w), persistent=True)
+        self.parts.append(("fp32", i, int(w.shape[0]) if w.dim() == 2 else -1))
+
+    def dense_weight(self, i: int) -> torch.Tensor:
+        """Part ``i`` as a plain (n, k) float tensor (unpacked for ``fp32`` parts)."""
+        kind, _, n = self.parts[i]
+        if kind == "dense":
+            return cast(torch.Tensor, getattr(self, f"dense_{i}"))
+        if kind == "fp32":
+            return unpack_fp32(getattr(self, f"f{i}_data"), n)
+        pw = self._packed(i)
+        return ql.dequant_rows(pw, torch.arange(pw.n))
+
     def add_quant(self, pw: ql.PackedWeight) -> None:
         i = len(self.parts)
         for name, t in pw.tensors().items():
@@ -110,7 +146,7 @@ class Linear(nn.Module):
         if b is None:
             self.bias = None
             return
-        dense_only = all(kind == "dense" for kind, _, _ in self.parts)
+        dense_only = bool(self.parts) and all(kind == "dense" for kind, _, _ in self.parts)
         dtype = getattr(self, "dense_0").dtype if dense_only and self.parts else torch.float32
         self.register_buffer("bias", b.to(dtype).contiguous(), persistent=True)
 
@@ -124,21 +160,26 @@ class Linear(nn.Module):
         return any(kind == "quant" for kind, _, _ in self.parts)
 
     @property
+    def needs_op(self) -> bool:
+        """Parts that only the C++ op runs at full speed (quantized or invariant float)."""
+        return any(kind != "dense" for kind, _, _ in self.parts)
+
+    @property
     def nbytes(self) -> int:
         total = 0
         for kind, i, _ in self.parts:
-            if kind == "dense":
-                t = getattr(self, f"dense_{i}")
-                total += t.numel() * t.element_size()
-            else:
+            if kind == "quant":
                 total += self._packed(i).nbytes
+            else:
+                t = getattr(self, f"dense_{i}" if kind == "dense" else f"f{i}_data")
+                total += t.numel() * t.element_size()
         return total
 
     def manifest(self) -> dict[str, Any]:
         """Structure of the parts (and whether there is a bias), to rebuild the module from cached tensors."""
         parts: list[dict[str, Any]] = []
         for kind, i, n in self.parts:
-            if kind == "dense":
+            if kind in ("dense", "fp32"):
                 parts.append({"kind": kind, "n": n})
             else:
                 pw = self._packed(i)
@@ -153,6 +194,10 @@ class Linear(nn.Module):
         for part in manifest["parts"]:
             if part["kind"] == "dense":
                 lin.add_dense(torch.empty(part["n"], in_features, device=meta, dtype=dtype))
+            elif part["kind"] == "fp32":
+                nt = -(-part["n"] // ql.TILE)
+                lin.add_fp32(torch.empty(nt, in_features, ql.TILE, device=meta))
+                lin.parts[-1] = ("fp32", lin.parts[-1][1], part["n"])
             else:
                 info = {k: v for k, v in part.items() if k not in ("kind", "scale_dtype")}
                 nt, kb, ng = -(-info["n"] // ql.TILE), info["k"] // ql.BLOCK, info["k"] // info["group_size"]
@@ -185,21 +230,25 @@ class Linear(nn.Module):
         Anything else (bf16, CUDA, no compiler) keeps the Python path.
         """
         self.op = None
-        tensors = [getattr(self, f"dense_{i}") if kind == "dense" else self._packed(i).data for kind, i, _ in self.parts]
+        names = {"dense": "dense_{}", "fp32": "f{}_data", "quant": "q{}_data"}
+        tensors = [getattr(self, names[kind].format(i)) for kind, i, _ in self.parts]
         if not tensors or any(t.device.type != "cpu" or t.is_meta for t in tensors):
             return
         if any(kind == "dense" and getattr(self, f"dense_{i}").dtype != torch.float32 for kind, i, _ in self.parts):
             return
-        if not self.is_quantized and self.bias is None and len(self.parts) == 1:
+        if not self.needs_op and self.bias is None and len(self.parts) == 1:
             return  # one dense matrix: F.linear is already a single call
         try:
             mod = ql.kernel_module()
         except Exception:  # noqa: BLE001 -- no kernels: the Python path serves
             return
         op = mod.QLinearOp(self.in_features, self.out_features)
-        for j, (kind, i, _) in enumerate(self.parts):
+        for j, (kind, i, n) in enumerate(self.parts):
             if kind == "dense":
-                op.add_dense(getattr(self, f"dense_{i}"))
+                op.add_dense(getattr(self, f"dense_{i}"), n)
+            elif kind == "fp32":
+                op.add_dense(getattr(self, f"f{i}_data"), n)
+                op.set_paths(j, [BUCKETS[-1]], [int(self.plan.default)])
             else:
                 pw = self._packed(i)
                 op.add_quant(pw.data, pw.scale, pw.mins, pw.n, pw.group_size, pw.mode)
@@ -246,8 +295,7 @@ class Linear(nn.Module):
                     xq = ql.quantize_activations(x, path)
                 ql.gemm(xq, pw, out, col, b, res, path)
             else:
-                w = getattr(self, f"dense_{i}")
-                y = F.linear(x, w.float(), b)
+                y = F.linear(x, self.dense_weight(i).float(), b)
                 if res is not None:
                     out[:, col : col + n] += y
                 else:
@@ -260,37 +308,39 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kinds = ",".join(
-            kind if kind == "dense" else f"q{self._packed(i).bits}g{self._packed(i).group_size}"
+            kind if kind != "quant" else f"q{self._packed(i).bits}g{self._packed(i).group_size}"
             for kind, i, _ in self.parts
         )
         return f"in={self.in_features}, out={self.out_features}, parts=[{kinds}]"
 
 
 def make_linear(
-    parts: list[torch.Tensor | QuantWeight], bias: torch.Tensor | None = None, *, fuse: bool = True
+    parts: list[torch.Tensor | QuantWeight], bias: torch.Tensor | None = None, *, invariant: bool = False
 ) -> Linear:
-    """A Linear over row-stacked parts; quantized parts of one form are packed together."""
+    """A Linear over row-stacked parts; quantized parts of one form are packed together.
+
+    ``invariant``: float parts go to the batch-invariant float kernel (``fp32``
+    parts) instead of BLAS -- for the float layers of a quantized model, so that
+    the whole model keeps the batch-invariance guarantee.
+    """
     k = int(parts[0].shape[1])
     n = sum(int(p.shape[0]) for p in parts)
     lin = Linear(k, n)
     quant = [p for p in parts if isinstance(p, QuantWeight)]
-    if fuse and len(quant) == len(parts):
-        stacked = concat_qweights(quant)  # type: ignore[arg-type]
-        if stacked is not None:
-            lin.add_quant(ql.pack(stacked))
-            lin.set_bias(bias)
-            lin.finish()
-            return lin
-    if fuse and not quant:
-        lin.add_dense(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore[arg-type]
-        lin.set_bias(bias)
-        lin.finish()
-        return lin
-    for p in parts:
-        if isinstance(p, QuantWeight):
-            lin.add_quant(ql.pack(p))
-        else:
-            lin.add_dense(p)
+    floats = [p for p in parts if not isinstance(p, QuantWeight)]
+    if len(quant) == len(parts) and (stacked := concat_qweights(quant)) is not None:
+        lin.add_quant(ql.pack(stacked))
+    elif not quant:
+        w = torch.cat(floats) if len(floats) > 1 else floats[0]  # type: ignore[arg-type]
+        lin.add_fp32(w) if invariant else lin.add_dense(w)
+    else:
+        for p in parts:
+            if isinstance(p, QuantWeight):
+                lin.add_quant(ql.pack(p))
+            elif invariant:
+                lin.add_fp32(p)
+            else:
+                lin.add_dense(p)
     lin.set_bias(bias)
     lin.finish()
     return lin

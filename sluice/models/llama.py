@@ -113,7 +113,8 @@ class DecoderLayer(nn.Module):
         self.down = Linear(cfg.intermediate_size, h)
 
     def can_fuse(self) -> bool:
-        """float32 on the CPU with every linear behind a C++ op: three C++ calls per layer."""
+        """float32 on the CPU with every linear behind a C++ op: three C++ calls per layer
+        (a float model whose linears are plain BLAS matrices keeps the torch path)."""
         return self.ops.fused is not None and all(
             lin.op is not None for lin in (self.qkv, self.o_proj, self.gate_up, self.down)
         )
@@ -218,6 +219,9 @@ class LlamaForCausalLM(nn.Module):
         kind, i, _ = e.parts[0]
         if kind == "dense":
             return F.embedding(input_ids, getattr(e, f"dense_{i}"))
+        if kind == "fp32":  # packed (n/16, k, 16): row n is [n // 16, :, n % 16]
+            packed = getattr(e, f"f{i}_data")
+            return packed[input_ids // 16, :, input_ids % 16]
         from sluice.kernels.qlinear import dequant_rows
 
         return dequant_rows(e._packed(i), input_ids.cpu()).to(self.dtype)
@@ -265,6 +269,11 @@ class LlamaForCausalLM(nn.Module):
         def dense(v: WeightValue) -> WeightValue:
             return v if isinstance(v, QuantWeight) else v.to(self.dtype)
 
+        # NOTE(invariant-floats): in a quantized model the float layers (fallback
+        # layers, a float head) run sluice's fixed-order float kernel, not BLAS, so
+        # the whole model is batch invariant; a float model keeps BLAS (fastest).
+        invariant = any(isinstance(v, QuantWeight) for v in sd.values()) and self.dtype == torch.float32
+
         def linear(target: Linear, names: list[str], bias_names: list[str] | None = None) -> Linear:
             parts = [take(n) for n in names]
             if any(p is None for p in parts):
@@ -278,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
                 bs = [take(n) for n in bias_names]
                 if all(isinstance(b, torch.Tensor) for b in bs):
                     bias = torch.cat(bs)  # type: ignore[arg-type]
-            return make_linear([dense(p) for p in parts], bias)  # type: ignore[arg-type]
+            return make_linear([dense(p) for p in parts], bias, invariant=invariant)  # type: ignore[arg-type]
 
         self.embed = linear(self.embed, ["model.embed_tokens.weight"])
         put(self.norm, take("model.norm.weight"), "model.norm.weight")

@@ -137,8 +137,11 @@ def load_model(
         model.set_ops(Ops.for_model(dtype, device))
         return model.eval()
 
-    if quantization == "auto" and source.kind == "hf" and not load_model_config(source).get("quantization_config"):
-        quantization = "none"  # a float checkpoint: auto serves it as it is
+    if quantization == "auto" and source.kind == "hf":
+        from sluice.models.quant import detect_format
+
+        if detect_format(source) == "float":
+            quantization = "none"  # a float checkpoint: auto serves it as it is
     variant = _variant(quantization, quant_fallback, dtype)
     use_cache = source.kind == "gguf" or quantization != "none"
     cached = _read_cached_model(source, variant) if use_cache else None
@@ -186,21 +189,13 @@ def load_model(
 def _quantized_state_dict(
     source: ModelSource, quantization: str, quant_fallback: str
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    try:
-        from sluice.models.quant import load_quantized_weights
-    except ImportError:  # NOTE(interim): until the quant package exports its loader, GGUF as is
-        load_quantized_weights = None
-    if load_quantized_weights is not None:
-        raw_cfg = load_model_config(source)
-        sd, report = load_quantized_weights(source, quantization, quant_fallback)
-        return raw_cfg, sd, report
-    if source.kind != "gguf" or quantization not in ("auto", "gguf"):
-        raise ModelLoadError(f"quantization {quantization!r} of {source.path} is not available in this build")
-    from sluice.models.quant.gguf import gguf_quant_state_dict
+    from sluice.models.quant import load_quantized_weights
 
-    reader = gguf_reader(source.path)
-    raw_cfg = gguf_hf_config(reader, source.path)
-    return raw_cfg, gguf_quant_state_dict(reader, source.path, raw_cfg), {}
+    try:
+        sd, report = load_quantized_weights(source, quantization, quant_fallback)
+    except ValueError as e:  # a bad combination (e.g. --quantization gguf on a HF folder)
+        raise ModelLoadError(str(e)) from e
+    return load_model_config(source), sd, report
 
 
 def _atomic_file_write(path: Path, text: str) -> None:

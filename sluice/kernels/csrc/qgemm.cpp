@@ -377,6 +377,21 @@ static TileFn pick(int path, int r) {
   return table[path][r - 1];
 }
 
+bool path_supported(int path) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  switch (path) {
+    case kScalar: return true;
+    case kAvx2: return avx2;
+    case kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni");
+    default: return false;
+  }
+}
+
 void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
               const float* resid, int64_t ldr, int path) {
   const TileFn fns[4] = {pick(path, 1), pick(path, 2), pick(path, 3), pick(path, 4)};
@@ -396,6 +411,97 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
           for (int l = 0; l < kTile; ++l) {
             const int64_t n = tile * kTile + l;
             if (n >= w.N) break;
+            float y = res[i * kTile + l];
+            if (bias) y = y + bias[n];
+            if (rrow) y = rrow[n] + y;
+            orow[n] = y;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace sluice
+
+// ------------------------------------------------------------------ float32 weights, batch invariant
+//
+// Layers kept in float inside a quantized model (fallback layers, a float LM
+// head) use this instead of BLAS, whose blocking (and so rounding) changes with
+// the batch size.  Weights are packed [N/16][K][16]; each output lane is
+//   acc = fma(x[k], w[k][lane], acc)   for k = 0 .. K-1, in order,
+// on every path and for every batch size.
+
+namespace sluice {
+
+template <int R>
+static void dense_tile_scalar(const float* x, int64_t ldx, int64_t m0, const float* wt, int64_t K, float* res) {
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + (m0 + r) * ldx;
+    for (int l = 0; l < kTile; ++l) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], wt[k * kTile + l], acc);
+      res[r * kTile + l] = acc;
+    }
+  }
+}
+
+template <int R>
+TGT_AVX2 static void dense_tile_avx2(const float* x, int64_t ldx, int64_t m0, const float* wt, int64_t K, float* res) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(wt + k * kTile), w1 = _mm256_loadu_ps(wt + k * kTile + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[(m0 + r) * ldx + k]);
+      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(res + r * kTile, a0[r]);
+    _mm256_storeu_ps(res + r * kTile + 8, a1[r]);
+  }
+}
+
+template <int R>
+TGT_AVX512 static void dense_tile_avx512(const float* x, int64_t ldx, int64_t m0, const float* wt, int64_t K, float* res) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w = _mm512_loadu_ps(wt + k * kTile);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[(m0 + r) * ldx + k]), w, a[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, a[r]);
+}
+
+using DenseFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*);
+
+void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, int64_t N, int64_t K, float* out,
+                    int64_t ldo, int64_t col0, const float* bias, const float* resid, int64_t ldr, int path) {
+  static const DenseFn table[3][4] = {
+      {dense_tile_scalar<1>, dense_tile_scalar<2>, dense_tile_scalar<3>, dense_tile_scalar<4>},
+      {dense_tile_avx2<1>, dense_tile_avx2<2>, dense_tile_avx2<3>, dense_tile_avx2<4>},
+      {dense_tile_avx512<1>, dense_tile_avx512<2>, dense_tile_avx512<3>, dense_tile_avx512<4>},
+  };
+  // every int path implies its float ISA: scalar -> scalar, avx2/avxvnni -> avx2, avx512vnni -> avx512
+  const int isa = path == kScalar ? 0 : (path == kAvx512Vnni ? 2 : 1);
+  const int64_t NT = (N + kTile - 1) / kTile;
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K * M / 16));
+  at::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) float res[4 * kTile];
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const float* wt = wpack + tile * K * kTile;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int r = (int)std::min<int64_t>(4, M - m0);
+        table[isa][r - 1](x, ldx, m0, wt, K, res);
+        for (int i = 0; i < r; ++i) {
+          const int64_t m = m0 + i;
+          float* orow = out + m * ldo + col0;
+          const float* rrow = resid ? resid + m * ldr + col0 : nullptr;
+          for (int l = 0; l < kTile; ++l) {
+            const int64_t n = tile * kTile + l;
+            if (n >= N) break;
             float y = res[i * kTile + l];
             if (bias) y = y + bias[n];
             if (rrow) y = rrow[n] + y;

@@ -67,9 +67,16 @@ inline int64_t block_bytes(int mode) { return mode == kW4 ? 256 : 512; }
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
                    float* dxs16, int32_t* xs, int32_t* xs16, bool avx2);
 
+// Whether this CPU can run a kernel path.
+bool path_supported(int path);
+
 // out[m, col0 + n] = (resid[m, col0 + n] +) (bias[n] +) x[m] . w[n], for m < M, n < w.N (OpenMP over tiles)
 void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
               const float* resid, int64_t ldr, int path);
+
+// The same for float32 weights packed [N/16][K][16] (batch invariant, unlike BLAS)
+void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, int64_t N, int64_t K, float* out,
+                    int64_t ldo, int64_t col0, const float* bias, const float* resid, int64_t ldr, int path);
 
 // Compute R rows (m0..m0+R-1) x one tile of 16 channels; res: R x 16 floats.
 template <int R>

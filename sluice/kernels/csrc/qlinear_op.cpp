@@ -57,6 +57,7 @@ struct ActBuf {
 
 struct Part {
   bool dense = false;
+  bool packed = false;  // dense weights in the batch-invariant [N/16][K][16] layout
   at::Tensor data, scale, mins;  // quantized
   at::Tensor w;                  // dense (n, K) float32
   int64_t n = 0, G = 32, mode = 0, col0 = 0;
@@ -96,12 +97,17 @@ class QLinearOp {
     parts_.push_back(std::move(p));
   }
 
-  void add_dense(const at::Tensor& w) {
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == in_ && w.scalar_type() == at::kFloat, "dense part: (n, in) float32");
+  // w: float32, either (n, in) (BLAS; fastest, not batch invariant) or packed (ceil(n/16), in, 16)
+  void add_dense(const at::Tensor& w, int64_t n) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous(), "dense part: contiguous float32");
     Part p;
     p.dense = true;
-    p.w = w.contiguous();
-    p.n = w.size(0);
+    p.packed = w.dim() == 3;
+    TORCH_CHECK((p.packed && w.size(0) == (n + kTile - 1) / kTile && w.size(1) == in_ && w.size(2) == kTile) ||
+                    (!p.packed && w.dim() == 2 && w.size(0) == n && w.size(1) == in_),
+                "dense part: (n, in) or packed (ceil(n/16), in, 16)");
+    p.w = w;
+    p.n = n;
     p.col0 = next_col();
     parts_.push_back(std::move(p));
   }
@@ -117,7 +123,7 @@ class QLinearOp {
 
   void set_paths(int64_t part, std::vector<int64_t> tops, std::vector<int64_t> paths) {
     TORCH_CHECK(part >= 0 && part < (int64_t)parts_.size() && tops.size() == paths.size() && !tops.empty(), "set_paths");
-    for (auto p : paths) TORCH_CHECK(p >= kScalar && p <= kAvx512Vnni, "bad path ", p);
+    for (auto p : paths) TORCH_CHECK(path_supported((int)p), "kernel path ", p, " is not supported by this CPU");
     parts_[part].tops = std::move(tops);
     parts_[part].paths = std::move(paths);
   }
@@ -166,6 +172,10 @@ class QLinearOp {
 
   void run_dense(const Part& p, const float* x, int64_t M, int64_t ldx, float* out, int64_t ldo, const float* bias,
                  const float* resid, int64_t ldr) const {
+    if (p.packed) {
+      run_dense_gemm(x, ldx, M, p.w.data_ptr<float>(), p.n, in_, out, ldo, p.col0, bias, resid, ldr, p.path_for(M));
+      return;
+    }
     auto xt = at::from_blob(const_cast<float*>(x), {M, in_}, {ldx, 1}, at::kFloat);
     at::Tensor y = at::matmul(xt, p.w.t());  // (M, n)
     const float* yp = y.data_ptr<float>();

@@ -33,14 +33,7 @@ bool has_avx2() {
 }
 
 void check_path(int64_t path) {
-  __builtin_cpu_init();
-  const bool avx2 = has_avx2();
-  const bool ok = path == sluice::kScalar || (path == sluice::kAvx2 && avx2) ||
-                  (path == sluice::kAvxVnni && avx2 && __builtin_cpu_supports("avxvnni")) ||
-                  (path == sluice::kAvx512Vnni && __builtin_cpu_supports("avx512f") &&
-                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"));
-  TORCH_CHECK(ok, "kernel path ", path, " is not supported by this CPU");
+  TORCH_CHECK(sluice::path_supported((int)path), "kernel path ", path, " is not supported by this CPU");
 }
 
 // (q int8 (M,K), dx (M,K/32), dxs (M,K/32), dxs16 (M,K/16), xs int32 (M,K/32), xs16 int32 (M,K/16))
