@@ -10,14 +10,18 @@ not weights.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 
 def main(out: str) -> None:
     import torch
     import transformers
 
-    from sluice.models.loader import _gguf_reader, gguf_hf_config, load_gguf_state_dict, resolve_model
+    from sluice.models.loader import (
+        _gguf_reader,
+        gguf_hf_config,
+        load_gguf_state_dict,
+        resolve_model,
+    )
     from sluice.models.tokenizer import load_tokenizer
 
     src = resolve_model("smollm2")

@@ -72,7 +72,7 @@ def measure_shape(pw: ql.PackedWeight, paths: list[ql.Path]) -> list[ql.Path]:
         x = torch.randn(m, pw.k, generator=gen)
         xq = ql.quantize_activations(x)
         out = torch.empty(m, pw.n)
-        times = {p: _time(lambda p=p: ql.gemm(xq, pw, out, path=p)) for p in paths}  # type: ignore[misc]
+        times = {p: _time(lambda p=p, xq=xq, out=out: ql.gemm(xq, pw, out, path=p)) for p in paths}  # type: ignore[misc]
         out_paths.append(min(times, key=times.__getitem__))
     return out_paths
 

@@ -12,6 +12,7 @@ on one machine share a build instead of rebuilding in turn.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -114,8 +115,6 @@ def load(name: str) -> ModuleType:
 def status() -> dict[str, dict[str, Any]]:
     """How each extension was (or would be) loaded: tries to load all of them."""
     for name in EXTENSIONS:
-        try:
+        with contextlib.suppress(KernelUnavailableError):
             load(name)
-        except KernelUnavailableError:
-            pass
     return {k: dict(v) for k, v in _REG.info.items()}

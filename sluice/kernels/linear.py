@@ -147,7 +147,7 @@ class Linear(nn.Module):
             self.bias = None
             return
         dense_only = bool(self.parts) and all(kind == "dense" for kind, _, _ in self.parts)
-        dtype = getattr(self, "dense_0").dtype if dense_only and self.parts else torch.float32
+        dtype = self.dense_0.dtype if dense_only and self.parts else torch.float32
         self.register_buffer("bias", b.to(dtype).contiguous(), persistent=True)
 
     def finish(self) -> None:
@@ -273,7 +273,7 @@ class Linear(nn.Module):
             y = op.forward(x)
             return y if residual is None else residual.add_(y)
         if len(self.parts) == 1 and self.parts[0][0] == "dense":  # full precision, serving dtype
-            y = F.linear(x, getattr(self, "dense_0"), self.bias)
+            y = F.linear(x, self.dense_0, self.bias)
             return y if residual is None else residual.add_(y)
         in_dtype = x.dtype
         x = x.float().contiguous()

@@ -210,29 +210,14 @@ inline void rope_row(float* x, int64_t nheads, int64_t D, const float* cos, cons
   }
 }
 
-// qkv = rope(qkv_op(rmsnorm(x)))
-at::Tensor attn_in(const at::Tensor& x, const at::Tensor& norm_w, double eps, const QLinearOp& qkv,
-                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (T, H) float32 contiguous");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "positions: (T,) int64");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
-              "rope tables: (max_pos, head_dim) float32");
-  const int64_t T = x.size(0), H = x.size(1);
-  auto hs = rms_norm(x, norm_w, eps);
-  auto out = at::empty({T, qkv.out_features()}, x.options());
-  qkv.run(hs.data_ptr<float>(), T, H, out.data_ptr<float>(), qkv.out_features(), nullptr, 0);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t maxpos = cos.size(0), ld = qkv.out_features();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < maxpos, "position ", pos[t], " out of range");
-  float* op = out.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+// rope on the q and k heads of each row of qkv (T, (H + 2 Hkv) * D), in place
+void rope_qk_rows(float* op, int64_t T, int64_t ld, const int64_t* pos, const float* cp, const float* sp,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   auto body = [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pos[t] * head_dim;
       const float* s = sp + pos[t] * head_dim;
-      rope_row(op + t * ld, num_heads, head_dim, c, s);                         // q
+      rope_row(op + t * ld, num_heads, head_dim, c, s);                            // q
       rope_row(op + t * ld + num_heads * head_dim, num_kv_heads, head_dim, c, s);  // k
     }
   };
@@ -240,6 +225,43 @@ at::Tensor attn_in(const at::Tensor& x, const at::Tensor& norm_w, double eps, co
     at::parallel_for(0, T, 8, body);
   else
     body(0, T);
+}
+
+void check_rope_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                     int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "qkv: (T, n) float32 rows");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == qkv.size(0),
+              "positions: (T,) int64");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+                  sin.is_contiguous(),
+              "rope tables: (max_pos, head_dim) float32");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < qkv.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " out of range");
+}
+
+// rope(q), rope(k) in place on qkv (T, (H + 2 Hkv) * D); returns qkv
+at::Tensor rope_qk(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  check_rope_args(qkv, positions, cos, sin, head_dim);
+  TORCH_CHECK(qkv.size(1) >= (num_heads + num_kv_heads) * head_dim, "qkv too narrow for the heads");
+  rope_qk_rows(qkv.data_ptr<float>(), qkv.size(0), qkv.stride(0), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), num_heads, num_kv_heads, head_dim);
+  return qkv;
+}
+
+// qkv = rope(qkv_op(rmsnorm(x)))
+at::Tensor attn_in(const at::Tensor& x, const at::Tensor& norm_w, double eps, const QLinearOp& qkv,
+                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (T, H) float32 contiguous");
+  const int64_t T = x.size(0), H = x.size(1);
+  auto hs = rms_norm(x, norm_w, eps);
+  auto out = at::empty({T, qkv.out_features()}, x.options());
+  qkv.run(hs.data_ptr<float>(), T, H, out.data_ptr<float>(), qkv.out_features(), nullptr, 0);
+  check_rope_args(out, positions, cos, sin, head_dim);
+  rope_qk_rows(out.data_ptr<float>(), T, qkv.out_features(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), num_heads, num_kv_heads, head_dim);
   return out;
 }
 
@@ -268,6 +290,7 @@ void register_qlinear(pybind11::module& m) {
       .def_property_readonly("in_features", &QLinearOp::in_features)
       .def_property_readonly("out_features", &QLinearOp::out_features);
   m.def("attn_in", &attn_in, "rmsnorm -> qkv linear -> rope(q, k), float32");
+  m.def("rope_qk", &rope_qk, "rope on the q and k heads of qkv rows, in place, float32");
   m.def("mlp", &mlp, "x += down(silu(gate) * up) of rmsnorm(x), in place, float32");
 }
 
