@@ -119,6 +119,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     priority: int = 1  # sluice.types.Priority value: 0 (P0, most urgent) .. 2
     arrival_time: float = 0.0  # monotonic seconds; 0 -> stamped on arrival at the engine
     trace_id: str | None = None  # W3C trace id (32 hex), for logs / spans
+    ttft_target: float = 0.0  # seconds after arrival_time its first token is due (its class's SLO); 0: none
 
 
 class EngineAbort(msgspec.Struct, kw_only=True):

@@ -43,12 +43,14 @@ class Request:
         priority: Priority = Priority.P1,
         arrival_time: float | None = None,
         trace_id: str | None = None,
+        ttft_target: float = 0.0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling = sampling
         self.priority = Priority(priority)
         self.trace_id = trace_id
+        self.ttft_target = ttft_target  # seconds after arrival the first token is due; 0: no target
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
@@ -70,6 +72,7 @@ class Request:
             Priority(req.priority),
             req.arrival_time or None,
             req.trace_id,
+            req.ttft_target,
         )
 
     @property

@@ -1,15 +1,25 @@
 """Waiting-queue policies behind one small interface: ``fcfs``, ``priority``, ``wfq``.
 
-The scheduler asks the queue which waiting request to admit next (``peek`` /
-``pop``) and tells it how many prefill tokens each class received
-(``charge``), which is what weighted fair queuing needs.
+Waiting requests sit in one FIFO per class (a preempted request goes back to
+the *front* of its class).  Each step the scheduler hands out prefill tokens
+class by class: it tells the queue which classes have prefill work pending
+(a chunked prefill already running, or a waiting request) and which are
+behind their TTFT target, and the policy answers which class goes next
+(``pick_class``); the scheduler then reports the tokens it gave (``charge``).
 
-NOTE(wfq): each class keeps a virtual time that advances by
-``tokens / weight`` whenever it is served; the backlogged class with the
-smallest virtual time goes next, so with P0 and P1 both backlogged P1 receives
-3/5 of P0's prefill tokens (weights 5:3:1).  A class that was idle re-enters at
-the current virtual time (no banked credit).  Inside a class: FCFS, with
-preempted requests put back at the front.
+    fcfs      the class whose oldest pending request arrived first (classes ignored)
+    priority  strict: P0 before P1 before P2
+    wfq       a class behind its target first (most urgent first); otherwise
+              weighted fair queuing of prefill tokens, weights P0:5 P1:3 P2:1
+
+NOTE(wfq): start-time fair queuing.  Each class keeps a virtual time that
+advances by ``tokens / weight`` when it is served; the eligible class with the
+smallest virtual time goes next (ties to the more urgent class), so with P0
+and P1 both backlogged P1 receives 3/5 of P0's prefill tokens.  The system
+virtual time is the tag of the class served last; a class that was idle is
+lifted to it when it becomes eligible again, so it banks no credit for its
+idle time, and a class that arrives while another is mid-prefill is not
+made to wait behind it.
 """
 
 from __future__ import annotations
@@ -17,12 +27,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from sluice.engine.request import Request
 from sluice.types import PRIORITY_WEIGHTS, Priority
 
-__all__ = ["QueuePolicy", "RequestQueue", "make_request_queue"]
+__all__ = ["QueuePolicy", "RequestQueue", "ClassChoice", "make_request_queue"]
 
 
 class QueuePolicy(str, enum.Enum):
@@ -31,91 +41,39 @@ class QueuePolicy(str, enum.Enum):
     WFQ = "wfq"
 
 
+class ClassChoice:
+    """``pick_class``'s answer: the class to serve next, and whether it is *urgent*.
+
+    An urgent class may take the step's token budget from strictly lower
+    classes' decodes (``priority``: always; ``wfq``: when it is behind its target).
+    """
+
+    __slots__ = ("priority", "is_urgent")
+
+    def __init__(self, priority: int, is_urgent: bool):
+        self.priority = priority
+        self.is_urgent = is_urgent
+
+
 class RequestQueue(ABC):
-    @abstractmethod
-    def add(self, req: Request) -> None: ...
-
-    @abstractmethod
-    def prepend(self, req: Request) -> None:
-        """Put a preempted request back at the front of its class."""
-
-    @abstractmethod
-    def peek(self) -> Request | None: ...
-
-    @abstractmethod
-    def pop(self) -> Request: ...
-
-    @abstractmethod
-    def remove(self, req: Request) -> bool: ...
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def __iter__(self) -> Iterator[Request]: ...
-
-    def charge(self, priority: Priority, num_tokens: int) -> None:  # noqa: B027 (optional hook)
-        """Account prefill tokens served to a class (only WFQ uses it)."""
-
-    def count_by_priority(self) -> list[int]:
-        out = [0, 0, 0]
-        for r in self:
-            out[int(r.priority)] += 1
-        return out
-
-
-class FCFSQueue(RequestQueue):
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add(self, req: Request) -> None:
-        self._q.append(req)
-
-    def prepend(self, req: Request) -> None:
-        self._q.appendleft(req)
-
-    def peek(self) -> Request | None:
-        return self._q[0] if self._q else None
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, req: Request) -> bool:
-        try:
-            self._q.remove(req)
-            return True
-        except ValueError:
-            return False
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class _ClassQueues(RequestQueue):
     def __init__(self) -> None:
         self._qs: list[deque[Request]] = [deque() for _ in Priority]
+
+    # ------------------------------------------------------------ the queues
 
     def add(self, req: Request) -> None:
         self._qs[req.priority].append(req)
 
     def prepend(self, req: Request) -> None:
+        """Put a preempted request back at the front of its class."""
         self._qs[req.priority].appendleft(req)
 
-    @abstractmethod
-    def _next_class(self) -> int | None: ...
+    def head(self, priority: int) -> Request | None:
+        q = self._qs[priority]
+        return q[0] if q else None
 
-    def peek(self) -> Request | None:
-        c = self._next_class()
-        return None if c is None else self._qs[c][0]
-
-    def pop(self) -> Request:
-        c = self._next_class()
-        if c is None:
-            raise IndexError("pop from an empty request queue")
-        return self._qs[c].popleft()
+    def pop_head(self, priority: int) -> Request:
+        return self._qs[priority].popleft()
 
     def remove(self, req: Request) -> bool:
         try:
@@ -131,45 +89,79 @@ class _ClassQueues(RequestQueue):
         for q in self._qs:
             yield from q
 
+    def count_by_priority(self) -> list[int]:
+        return [len(q) for q in self._qs]
 
-class PriorityQueue(_ClassQueues):
+    def peek(self) -> Request | None:
+        """The waiting request this policy would admit next, were no prefill running."""
+        heads = [None if not q else q[0].timings.arrival for q in self._qs]
+        choice = self.pick_class(heads, [False] * len(heads), dry_run=True)
+        return None if choice is None else self._qs[choice.priority][0]
+
+    # ------------------------------------------------------------ the policy
+
+    @abstractmethod
+    def pick_class(
+        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
+    ) -> ClassChoice | None:
+        """The class to give prefill tokens next.
+
+        ``oldest[c]``: arrival time of class c's oldest pending prefill work, None
+        when it has none (or is blocked this step); ``behind[c]``: class c's
+        oldest pending request has used much of its TTFT target.
+        ``dry_run``: change no policy state.
+        """
+
+    def charge(self, priority: int, num_tokens: int) -> None:  # noqa: B027 (optional hook)
+        """Account prefill tokens given to a class (negative: a refund)."""
+
+
+class FCFSQueue(RequestQueue):
+    def pick_class(
+        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
+    ) -> ClassChoice | None:
+        best: int | None = None
+        for c, t in enumerate(oldest):
+            if t is not None and (best is None or t < oldest[best]):  # type: ignore[operator]
+                best = c
+        return None if best is None else ClassChoice(best, False)
+
+
+class PriorityQueue(RequestQueue):
     """Strict priority: P0 before P1 before P2."""
 
-    def _next_class(self) -> int | None:
-        return next((c for c, q in enumerate(self._qs) if q), None)
+    def pick_class(
+        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
+    ) -> ClassChoice | None:
+        c = next((c for c, t in enumerate(oldest) if t is not None), None)
+        return None if c is None else ClassChoice(c, True)
 
 
-class WFQQueue(_ClassQueues):
+class WFQQueue(RequestQueue):
     def __init__(self, weights: dict[Priority, float] | None = None) -> None:
         super().__init__()
         self.weights = weights or PRIORITY_WEIGHTS
         self.vtime = [0.0 for _ in Priority]
+        self.system_vtime = 0.0  # the start tag of the class served last
 
-    def _active_floor(self) -> float:
-        active = [self.vtime[c] for c, q in enumerate(self._qs) if q]
-        return min(active) if active else max(self.vtime)
+    def pick_class(
+        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
+    ) -> ClassChoice | None:
+        eligible = [c for c, t in enumerate(oldest) if t is not None]
+        if not eligible:
+            return None
+        # NOTE(behind-first): a class that is behind its TTFT target is served
+        # before fairness: the most urgent behind class first.
+        late = [c for c in eligible if behind[c]]
+        tags = [max(self.vtime[c], self.system_vtime) for c in range(len(self.vtime))]
+        best = late[0] if late else min(eligible, key=lambda c: (tags[c], c))
+        if not dry_run:
+            for c in eligible:  # idle classes re-enter at the system virtual time
+                self.vtime[c] = tags[c]
+            self.system_vtime = tags[best]
+        return ClassChoice(best, bool(late))
 
-    def add(self, req: Request) -> None:
-        c = req.priority
-        if not self._qs[c]:
-            self.vtime[c] = max(self.vtime[c], self._active_floor())
-        super().add(req)
-
-    def prepend(self, req: Request) -> None:
-        c = req.priority
-        if not self._qs[c]:
-            self.vtime[c] = max(self.vtime[c], self._active_floor())
-        super().prepend(req)
-
-    def _next_class(self) -> int | None:
-        best: int | None = None
-        for c, q in enumerate(self._qs):
-            # ties go to the more urgent class (lower index)
-            if q and (best is None or self.vtime[c] < self.vtime[best]):
-                best = c
-        return best
-
-    def charge(self, priority: Priority, num_tokens: int) -> None:
+    def charge(self, priority: int, num_tokens: int) -> None:
         self.vtime[priority] += num_tokens / self.weights[Priority(priority)]
 
 

@@ -5,19 +5,27 @@ block manager decides *whether they fit*.  It never touches tensors.
 
 One step (``schedule``):
 
-1. Admission preemption: if the next waiting request (in queue-policy order)
-   cannot get blocks for its first chunk and strictly lower classes hold
-   blocks, preempt those (lowest class, newest first) until it fits.
-2. Running decodes, in priority order: one token each.
-3. Running prefills that were chunked in an earlier step, in priority order.
-4. Waiting requests, in queue-policy order, each given a prefill chunk out of
-   what is left of ``max_num_batched_tokens``, while running < ``max_num_seqs``.
+1. Running decodes, most urgent class first: one token each.
+2. Prefill chunks out of what is left of ``max_num_batched_tokens``, class by
+   class as the queue policy picks them (``request_queue``): a class's chunked
+   prefill that is already running continues first, then its waiting
+   requests are admitted, FIFO within the class.  Under ``wfq`` a class that
+   is behind its TTFT target goes first; classes within target share the
+   prefill tokens 5:3:1.
 
-When a running request needs a block and none is free, the lowest class,
-newest request is preempted by recompute (its blocks freed; it goes back to
-the front of its class's waiting queue).  Victims are taken from the end of
-the priority-ordered running list, so a higher class is never preempted to make
-room for a lower one.
+A higher class takes what it needs from running requests of *strictly lower*
+classes, lowest class and newest first:
+
+    slots    a waiting request with every ``max_num_seqs`` slot taken preempts one
+    blocks   a waiting request whose first chunk does not fit preempts until it does
+    budget   an urgent class (``priority``; ``wfq`` when behind target) facing an
+             exhausted budget un-schedules lower classes' decodes for this step
+
+Preemption is by recompute: the victim's blocks are freed and it goes back to
+the front of its class's queue; it resumes later and produces the same tokens.
+A running request that needs a block when none is free preempts the lowest
+class, newest request (maybe itself).  A higher class is never preempted to
+make room for a lower one.
 
 After the model ran, ``update_from_output`` applies the step: it advances
 each request's progress (``num_computed_tokens``: only the scheduler writes
@@ -29,16 +37,21 @@ the ``EngineOutput`` messages, built in one place (``_make_output``).
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.protocol import EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.request_queue import make_request_queue
+from sluice.types import Priority
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION"]
+
+BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request's class goes first
 
 
 @dataclass
@@ -46,9 +59,12 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     samples: bool = field(init=False)  # a token is sampled: the chunk reaches the last known token
+    is_prefill: bool = field(init=False)  # not a one-token decode
 
     def __post_init__(self) -> None:
-        self.samples = self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        req = self.request
+        self.samples = req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
+        self.is_prefill = not (self.num_new_tokens == 1 and req.is_prefill_done)
 
 
 @dataclass
@@ -63,6 +79,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class _Step:
+    """The step being planned."""
+
+    out: SchedulerOutput
+    budget: int  # tokens left of max_num_batched_tokens
+    by_id: dict[str, ScheduledRequest]  # request_id -> its entry in out.scheduled
+    now: float  # monotonic
+
+
 class Scheduler:
     def __init__(
         self,
@@ -73,7 +99,9 @@ class Scheduler:
         *,
         max_model_len: int | None = None,  # prompt + output cap; None: no cap
         eos_token_ids: Sequence[int] = (),  # end a request unless it asks ignore_eos
+        clock: Callable[[], float] = time.monotonic,
     ):
+        self.clock = clock
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -97,7 +125,7 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, status, time.monotonic())
+                self._finish(req, status, self.clock())
                 outputs.append(self._make_output(req, []))
         return outputs
 
@@ -121,7 +149,15 @@ class Scheduler:
     def _order_key(req: Request) -> tuple[int, float]:
         return (int(req.priority), req.timings.arrival)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Free a running request's blocks and put it back in front of its class (recompute later)."""
+        undone = step.by_id.pop(victim.request_id, None)
+        if undone is not None:  # scheduled earlier this step: un-schedule it, refund its tokens
+            step.out.scheduled.remove(undone)
+            step.budget += undone.num_new_tokens
+            if undone.is_prefill:
+                step.out.prefill_tokens_by_priority[victim.priority] -= undone.num_new_tokens
+                self.waiting.charge(victim.priority, -undone.num_new_tokens)
         self.running.remove(victim)
         self.block_manager.free_request(victim)
         victim.num_computed_tokens = 0
@@ -129,10 +165,21 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
-        out.preempted.append(victim)
+        step.out.preempted.append(victim)
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, budget)
+    def _lower_victim(self, priority: int) -> Request | None:
+        """The running request to preempt for a request of class ``priority``: lowest class, newest, strictly lower."""
+        victim = self.running[-1] if self.running else None
+        return victim if victim is not None and victim.priority > priority else None
+
+    def _add(self, step: _Step, req: Request, n: int) -> None:
+        sr = ScheduledRequest(req, n)
+        step.out.scheduled.append(sr)
+        step.by_id[req.request_id] = sr
+        step.budget -= n
+        if sr.is_prefill:
+            step.out.prefill_tokens_by_priority[req.priority] += n
+            self.waiting.charge(req.priority, n)
 
     def _first_chunk(self, req: Request, budget: int) -> tuple[list[int], int]:
         """Cached prefix blocks of a waiting request and the size of its first chunk after them.
@@ -145,85 +192,127 @@ class Scheduler:
         num_cached_tokens = len(cached) * self.block_manager.block_size
         return cached, min(req.num_tokens - num_cached_tokens, budget)
 
+    def _is_behind(self, req: Request | None, now: float) -> bool:
+        # NOTE(behind): a request is behind once it has used half of its TTFT
+        # target without a first token: from then on its class goes first, so
+        # the second half is left for its own prefill and a step or two of noise.
+        if req is None or req.ttft_target <= 0.0 or req.timings.first_token is not None:
+            return False
+        return now - req.timings.arrival > BEHIND_FRACTION * req.ttft_target
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        step = _Step(SchedulerOutput(), self.max_num_batched_tokens, {}, self.clock())
         self.running.sort(key=self._order_key)
-        self._admission_preemption(out)
-
-        # 2 + 3: running requests, decodes first then continuing prefills
-        decodes = [r for r in self.running if r.is_prefill_done]
-        prefills = [r for r in self.running if not r.is_prefill_done]
-        scheduled: dict[str, ScheduledRequest] = {}
-        for group in (decodes, prefills):
-            for req in group:
-                if budget <= 0:
-                    break
-                if req.status is not RequestStatus.RUNNING:
-                    continue  # preempted earlier in this loop
-                n = self._chunk(req, budget)
-                while not bm.allocate(req, req.num_computed_tokens + n):
-                    victim = self.running[-1]  # lowest class, newest
-                    undone = scheduled.pop(victim.request_id, None)
-                    if undone is not None:  # un-schedule it and refund its tokens
-                        out.scheduled.remove(undone)
-                        budget += undone.num_new_tokens
-                        if undone.num_new_tokens > 1 or not victim.is_prefill_done:
-                            out.prefill_tokens_by_priority[victim.priority] -= undone.num_new_tokens
-                    self._preempt(victim, out)
-                    if victim is req:
-                        break
-                if req.status is not RequestStatus.RUNNING:
-                    continue
-                n = min(n, budget)
-                sr = ScheduledRequest(req, n)
-                out.scheduled.append(sr)
-                scheduled[req.request_id] = sr
-                budget -= n
-                if not req.is_prefill_done or n > 1:
-                    out.prefill_tokens_by_priority[req.priority] += n
-
-        # 4: admit waiting requests
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            head = self.waiting.peek()
-            if head is None or head in out.preempted:
-                break  # NOTE(thrash): a request preempted this step waits for the next one
-            req = head
-            cached, n = self._first_chunk(req, budget)
-            num_cached_tokens = len(cached) * bm.block_size
-            if not bm.allocate(req, num_cached_tokens + n, cached):
-                break  # NOTE(hol): no bypass, a later request must not overtake a higher one
-            self.waiting.pop()
-            req.num_computed_tokens = num_cached_tokens  # the prefix blocks hold its K/V already
-            if req.num_cached_tokens < 0:  # first admission: account prefix hits
-                req.num_cached_tokens = num_cached_tokens
-                bm.record_lookup(req.num_prompt_tokens, num_cached_tokens)
-            self.waiting.charge(req.priority, req.num_tokens - req.num_computed_tokens)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
-            out.prefill_tokens_by_priority[req.priority] += n
-            budget -= n
-
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        now = time.monotonic()
+        # 1: running decodes, most urgent first, one token each
+        for req in [r for r in self.running if r.is_prefill_done]:
+            if step.budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING:  # else preempted earlier in this loop
+                self._schedule_running(step, req)
+        # 2: prefill chunks, class by class as the queue policy picks them
+        self._schedule_prefills(step)
+        out = step.out
+        out.num_batched_tokens = self.max_num_batched_tokens - step.budget
         for s in out.scheduled:
             if s.request.timings.first_scheduled is None:
-                s.request.timings.first_scheduled = now
+                s.request.timings.first_scheduled = step.now
         return out
 
-    def _admission_preemption(self, out: SchedulerOutput) -> None:
-        head = self.waiting.peek()
-        if head is None or not self.running:
-            return
-        cached, n = self._first_chunk(head, self.max_num_batched_tokens)
-        num_tokens = len(cached) * self.block_manager.block_size + n
-        while not self.block_manager.can_allocate(head, num_tokens, cached):
-            victim = self.running[-1] if self.running else None
-            if victim is None or victim.priority <= head.priority:
+    def _schedule_running(self, step: _Step, req: Request) -> None:
+        """Give a running request its next chunk; a block shortage preempts the lowest class, newest (maybe itself)."""
+        n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        while not self.block_manager.allocate(req, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is req:
                 return
-            self._preempt(victim, out)
+        self._add(step, req, n)
+
+    def _schedule_prefills(self, step: _Step) -> None:
+        chunked: list[deque[Request]] = [deque() for _ in Priority]  # running prefills, oldest first
+        for r in self.running:
+            if not r.is_prefill_done:
+                chunked[r.priority].append(r)
+        can_admit = [True for _ in Priority]
+        while True:
+            oldest: list[float | None] = []
+            behind: list[bool] = []
+            for c in Priority:
+                q = chunked[c]
+                while q and q[0].status is not RequestStatus.RUNNING:  # preempted meanwhile
+                    q.popleft()
+                head = q[0] if q else self.waiting.head(c) if can_admit[c] else None
+                oldest.append(None if head is None else head.timings.arrival)
+                behind.append(self._is_behind(head, step.now))
+            choice = self.waiting.pick_class(oldest, behind)
+            if choice is None:
+                return
+            c = choice.priority
+            req = chunked[c][0] if chunked[c] else self.waiting.head(c)
+            assert req is not None
+            if step.budget <= 0 and not (choice.is_urgent and self._take_budget(step, req)):
+                return
+            if chunked[c]:
+                chunked[c].popleft()
+                self._schedule_running(step, req)
+            elif not self._admit(step, req):
+                # NOTE(hol): no bypass: a class that cannot get a slot or blocks
+                # stops the classes below it too, or they would take what it needs.
+                for k in range(c, len(can_admit)):
+                    can_admit[k] = False
+
+    def _take_budget(self, step: _Step, req: Request) -> bool:
+        """Un-schedule decodes of classes below ``req`` (lowest class, newest first) for its next chunk.
+
+        The decodes keep their blocks and go on next step; only this step's
+        tokens change hands.  False when there is nothing to take.
+        """
+        if req.status is RequestStatus.RUNNING:
+            need = req.num_tokens - req.num_computed_tokens
+        else:
+            _, need = self._first_chunk(req, self.max_num_batched_tokens)
+        for s in reversed(list(step.out.scheduled)):
+            if step.budget >= need:
+                break
+            if s.request.priority > req.priority and not s.is_prefill:
+                step.out.scheduled.remove(s)
+                del step.by_id[s.request.request_id]
+                step.budget += s.num_new_tokens
+        return step.budget > 0
+
+    def _admit(self, step: _Step, req: Request) -> bool:
+        """Start a waiting request: a slot and blocks for its first chunk, taken from lower classes if need be."""
+        if req in step.out.preempted:
+            return False  # NOTE(thrash): a request preempted this step waits for the next one
+        bm = self.block_manager
+        cached, n = self._first_chunk(req, step.budget)
+        num_cached_tokens = len(cached) * bm.block_size
+        need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
+        lower = [r for r in self.running if r.priority > req.priority]
+        if len(self.running) - len(lower) >= self.max_num_seqs:
+            return False  # every slot is held by this class or a higher one
+        if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
+            return False  # even preempting every lower class would not make it fit
+        # NOTE(take-from-lower): a higher class takes the slot and the blocks it
+        # needs from running requests of strictly lower classes, lowest class and
+        # newest first, by recompute: on CPU, recomputing a short prefix costs
+        # less than copying its blocks out and back (no swap space), and the
+        # victim's full blocks stay in the prefix cache until evicted.
+        while len(self.running) >= self.max_num_seqs or not bm.can_allocate(req, num_cached_tokens + n, cached):
+            victim = self._lower_victim(req.priority)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        self.waiting.pop_head(req.priority)
+        bm.allocate(req, num_cached_tokens + n, cached)
+        req.num_computed_tokens = num_cached_tokens  # the prefix blocks hold its K/V already
+        if req.num_cached_tokens < 0:  # first admission: account prefix hits
+            req.num_cached_tokens = num_cached_tokens
+            bm.record_lookup(req.num_prompt_tokens, num_cached_tokens)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self._order_key)
+        self._add(step, req, n)
+        return True
 
     # ------------------------------------------------------------ update
 
@@ -236,7 +325,7 @@ class Scheduler:
         that samples (``ScheduledRequest.samples``), in ``sched.scheduled`` order.
         Returns one output per sampled token.
         """
-        now = time.monotonic()
+        now = self.clock()
         outputs: list[EngineOutput] = []
         i = 0
         for s in sched.scheduled:
