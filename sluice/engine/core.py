@@ -23,6 +23,7 @@ from sluice.engine.protocol import EngineOutput, EngineRequest, EngineStats
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampler import SamplingRow
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
+from sluice.engine.step_model import StepTimeModel
 from sluice.engine.validation import validate_request
 from sluice.errors import InvalidRequestError
 from sluice.models.loader import ModelSource, resolve_model
@@ -61,6 +62,8 @@ class EngineCore:
         self._num_steps = 0
         self._last_step_time = 0.0
         self._last_batched = 0
+        self.step_model = StepTimeModel()
+        self._last_step: tuple[int, float, float] | None = None  # (tokens, start, end) of the previous busy step
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -107,11 +110,26 @@ class EngineCore:
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
-            self._last_step_time = time.monotonic() - t0
+            t1 = time.monotonic()
+            self._last_step_time = t1 - t0
+            self._observe_step(sched.num_batched_tokens, t0, t1)
         for out in outputs:
             if out.finished:
                 self.generators.pop(out.request_id, None)
         return outputs
+
+    def _observe_step(self, num_tokens: int, start: float, end: float) -> None:
+        """Feed the step-time model one step late, so back-to-back steps include the loop's own overhead.
+
+        NOTE(cycle-time): what a waiting request sees is the time from one step's
+        start to the next one's (publishing outputs, reading input included);
+        a gap over 10 ms means the loop idled, and then only the step itself counts.
+        """
+        prev = self._last_step
+        if prev is not None:
+            n, s, e = prev
+            self.step_model.observe(n, start - s if start - e < 0.01 else e - s)
+        self._last_step = (num_tokens, start, end)
 
     def _sampling_rows(self, sched: SchedulerOutput) -> list[SamplingRow]:
         rows = []
@@ -132,8 +150,16 @@ class EngineCore:
     def make_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         running = [0, 0, 0]
+        prefill_tokens = [0, 0, 0]
+        num_decoding = 0
         for r in sch.running:
             running[r.priority] += 1
+            if r.is_prefill_done:
+                num_decoding += 1
+            else:
+                prefill_tokens[r.priority] += r.num_tokens - r.num_computed_tokens
+        for r in sch.waiting:
+            prefill_tokens[r.priority] += r.num_tokens
         return EngineStats(
             num_running=len(sch.running),
             num_waiting=len(sch.waiting),
@@ -148,6 +174,12 @@ class EngineCore:
             num_steps=self._num_steps,
             step_time=self._last_step_time,
             num_batched_tokens=self._last_batched,
+            num_decoding=num_decoding,
+            num_prefill_tokens_by_priority=prefill_tokens,
+            step_time_base=self.step_model.base,
+            step_time_per_token=self.step_model.per_token,
+            max_num_batched_tokens=sch.max_num_batched_tokens,
+            max_num_seqs=sch.max_num_seqs,
         )
 
 

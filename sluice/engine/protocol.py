@@ -194,6 +194,13 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0  # cumulative
     step_time: float = 0.0  # seconds, last step
     num_batched_tokens: int = 0  # last step
+    num_decoding: int = 0  # running requests past their prefill (one token a step each)
+    # tokens still to prefill (waiting requests, chunked prefills; a preempted request's recompute), by class
+    num_prefill_tokens_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
+    step_time_base: float = 0.0  # seconds: fitted fixed cost of a step (a in a + b * batched tokens)
+    step_time_per_token: float = 0.0  # seconds per batched token (b); both 0 until measured
+    max_num_batched_tokens: int = 0  # the step's token budget (0: unknown)
+    max_num_seqs: int = 0  # running sequences cap (0: unknown)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):

@@ -1,27 +1,45 @@
-"""Admission control: a bounded waiting queue, lowest class shed first (pure).
+"""Admission control: predicted time to first token against the class's target, lowest class shed first (pure).
 
 A request is *queued* from admission until its first output arrives (the
-engine has scheduled and prefilled it).  The queue is bounded in requests
-(``max_queued_requests``) and in tokens (``max_queued_tokens``: prompt +
-max_tokens).  When a new request does not fit:
+engine has scheduled and prefilled it).  ``admit`` decides at once, never by
+timing out:
 
-- if queued requests of a strictly lower class (larger ``Priority``) can make
-  room, the newest of the lowest class are shed (they get 429 at once and
-  are aborted in the engine) and the new request is admitted;
-- otherwise the new request gets 429 at once.  Never a timeout.
+1. Predicted wait (``sluice.server.slo``): from the engine's last stats, the
+   requests sent since, and the measured step time, predict the new request's
+   TTFT.  Over its class's target, the newest queued requests of strictly
+   lower classes are shed (lowest class first) if that brings it within
+   target; otherwise the new request gets 429 with a ``Retry-After`` of the
+   predicted excess, jittered.
+2. A hard bound in requests (``max_queued_requests``) and tokens
+   (``max_queued_tokens``: prompt + max_tokens), shed the same way: the
+   last line of defence when the engine has not been measured yet.
 
 NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits;
 shedding newest-first keeps the oldest P2 requests' queueing investment.
+Shedding is all or nothing: if shedding every lower-class request would not
+make room, nobody is shed.
+
+NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
+2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
+times U(1, 1.5), plus U(0, 1) s, so retries spread over the time the queue
+needs to drain.  The header is whole seconds rounded up, never less.
 """
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from sluice.engine.protocol import EngineStats
 from sluice.errors import OverloadedError
+from sluice.server.slo import EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
 
-__all__ = ["AdmissionController"]
+__all__ = ["AdmissionController", "Decision"]
+
+_EWMA = 0.05  # weight of a new sample in the measured means
 
 
 @dataclass
@@ -29,17 +47,50 @@ class _Entry:
     key: str  # the HTTP request's id
     priority: Priority
     num_tokens: int  # prompt + max_tokens, all choices
+    num_prompt_tokens: int  # prompt tokens to prefill, all choices
     seq: int  # admission order
+    submitted_at: float  # clock time
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One admitted request: what was shed for it, and the prediction it was admitted on."""
+
+    shed: list[str]  # keys of queued lower-class requests shed to make room
+    predicted_ttft: float | None = None  # seconds; None: no prediction (engine not measured, or SLO off)
+    target: float | None = None  # seconds, its class's TTFT target
 
 
 class AdmissionController:
-    def __init__(self, max_queued_requests: int, max_queued_tokens: int, retry_after: float = 1.0):
+    def __init__(
+        self,
+        max_queued_requests: int,
+        max_queued_tokens: int,
+        retry_after: float = 1.0,
+        *,
+        slo: SloTargets | None = None,  # None: no predicted-wait admission (bounded queue only)
+        policy: str = "wfq",  # the engine's scheduling policy
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ):
         self.max_requests = max_queued_requests
         self.max_tokens = max_queued_tokens
         self.retry_after = retry_after
+        self.slo = slo
+        self.policy = policy
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self._clock = clock
+        self._rng = rng or random.Random()
         self._queued: dict[str, _Entry] = {}
         self._num_tokens = 0
         self._seq = 0
+        self._stats: EngineStats | None = None
+        self._stats_at = float("-inf")
+        self.mean_output_tokens = 16.0  # measured: generated tokens per finished request
+        self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
 
     @property
     def num_queued(self) -> int:
@@ -49,40 +100,122 @@ class AdmissionController:
     def num_queued_tokens(self) -> int:
         return self._num_tokens
 
-    def admit(self, key: str, priority: Priority, num_tokens: int) -> list[str]:
-        """Admit ``key`` or raise ``OverloadedError``; returns the keys shed to make room."""
+    # ------------------------------------------------------------ measurements
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+        self._stats_at = self._clock()
+
+    def observe_output_tokens(self, num_generated: int) -> None:
+        self.mean_output_tokens += _EWMA * (num_generated - self.mean_output_tokens)
+
+    def load(self) -> EngineLoad:
+        """The engine's last stats plus the queued requests sent after them."""
+        s = self._stats or EngineStats()
+        load = EngineLoad.from_stats(
+            s,
+            policy=self.policy,
+            mean_output_tokens=self.mean_output_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+        )
+        for e in self._queued.values():
+            if e.submitted_at >= self._stats_at:
+                load.add(e.priority, e.num_prompt_tokens)
+        return load
+
+    def target(self, priority: Priority, num_prompt_tokens: int, load: EngineLoad | None = None) -> float | None:
+        if self.slo is None:
+            return None
+        return self.slo.target(priority, unloaded_ttft(load or self.load(), num_prompt_tokens))
+
+    def signal(self) -> list[tuple[float, float]]:
+        """(predicted TTFT, target) per class for a request of the mean prompt length: the gateway's signal."""
+        load = self.load()
+        n = max(1, round(self.mean_prompt_tokens))
+        out = []
+        for p in Priority:
+            target = self.target(p, n, load)
+            out.append((predict_ttft(load, p, n), 0.0 if target is None else target))
+        return out
+
+    def jittered(self, seconds: float) -> float:
+        """A Retry-After for a predicted excess wait of ``seconds`` (NOTE(retry-jitter))."""
+        base = max(self.retry_after, seconds)
+        return base * self._rng.uniform(1.0, 1.5) + self._rng.uniform(0.0, 1.0)
+
+    # ------------------------------------------------------------ decisions
+
+    def admit(self, key: str, priority: Priority, num_tokens: int, num_prompt_tokens: int | None = None) -> Decision:
+        """Admit ``key`` or raise ``OverloadedError``; the decision names the keys shed to make room."""
         if num_tokens > self.max_tokens:
             raise OverloadedError(
                 f"request needs {num_tokens} queued tokens, over the server's limit of "
                 f"{self.max_tokens} (--max-queued-tokens)",
-                retry_after=self.retry_after,
+                retry_after=self.jittered(self.retry_after),
+                code="queue_full",
             )
+        lower = sorted(  # shed candidates: strictly lower classes, lowest class first, newest first
+            (e for e in self._queued.values() if e.priority > priority),
+            key=lambda e: (-int(e.priority), -e.seq),
+        )
         victims: list[_Entry] = []
         n, t = len(self._queued), self._num_tokens
+        for e in lower:
+            if n + 1 <= self.max_requests and t + num_tokens <= self.max_tokens:
+                break
+            victims.append(e)
+            n, t = n - 1, t - e.num_tokens
         if n + 1 > self.max_requests or t + num_tokens > self.max_tokens:
-            # candidates: strictly lower classes, lowest class first, newest first
-            lower = sorted(
-                (e for e in self._queued.values() if e.priority > priority),
-                key=lambda e: (-int(e.priority), -e.seq),
+            raise OverloadedError(
+                f"server overloaded: {len(self._queued)} requests / {self._num_tokens} tokens "
+                f"queued (limits {self.max_requests} / {self.max_tokens}); retry later",
+                retry_after=self.jittered(self.retry_after),
+                code="queue_full",
             )
-            for e in lower:
-                if n + 1 <= self.max_requests and t + num_tokens <= self.max_tokens:
-                    break
-                victims.append(e)
-                n -= 1
-                t -= e.num_tokens
-            if n + 1 > self.max_requests or t + num_tokens > self.max_tokens:
-                raise OverloadedError(
-                    f"server overloaded: {len(self._queued)} requests / {self._num_tokens} tokens "
-                    f"queued (limits {self.max_requests} / {self.max_tokens}); retry later",
-                    retry_after=self.retry_after,
-                )
+        predicted = target = None
+        prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        self.mean_prompt_tokens += _EWMA * (prompt - self.mean_prompt_tokens)
+        load = self.load()
+        if self.slo is not None and load.is_measured:
+            victims, predicted, target = self._predicted_wait(load, priority, prompt, victims, lower)
         for e in victims:
             self.remove(e.key)
         self._seq += 1
-        self._queued[key] = _Entry(key, priority, num_tokens, self._seq)
+        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, self._clock())
         self._num_tokens += num_tokens
-        return [e.key for e in victims]
+        return Decision([e.key for e in victims], predicted, target)
+
+    def _predicted_wait(
+        self, load: EngineLoad, priority: Priority, prompt: int, victims: list[_Entry], lower: list[_Entry]
+    ) -> tuple[list[_Entry], float, float]:
+        target = self.target(priority, prompt, load)
+        assert target is not None
+        for e in victims:
+            load.add(e.priority, e.num_prompt_tokens, -1)
+        predicted = predict_ttft(load, priority, prompt)
+        if predicted <= target:
+            return victims, predicted, target
+        rest = [e for e in lower if e not in victims]
+        best = EngineLoad(**{**load.__dict__, "num_waiting_by_priority": list(load.num_waiting_by_priority),
+                             "num_prefill_tokens_by_priority": list(load.num_prefill_tokens_by_priority)})  # fmt: skip
+        for e in rest:
+            best.add(e.priority, e.num_prompt_tokens, -1)
+        best_case = predict_ttft(best, priority, prompt)
+        if best_case > target:
+            raise OverloadedError(
+                f"predicted time to first token {predicted:.2f} s is over the {priority.label} target "
+                f"of {target:.2f} s; retry later",
+                retry_after=self.jittered(best_case - target),
+                code="slo_unattainable",
+            )
+        for e in rest:  # shed just enough, lowest class and newest first
+            victims = [*victims, e]
+            load.add(e.priority, e.num_prompt_tokens, -1)
+            predicted = predict_ttft(load, priority, prompt)
+            if predicted <= target:
+                break
+        return victims, predicted, target
 
     def remove(self, key: str) -> None:
         """The request started (first output), finished, or went away."""

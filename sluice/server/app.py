@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.auth import KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
+from sluice.engine.protocol import EngineStats
 from sluice.errors import PayloadTooLargeError, ServiceUnavailableError, SluiceError
 from sluice.http_errors import error_response, from_http_status, to_sluice_error
 from sluice.obs.tracing import Tracing, build_tracer_provider
@@ -144,11 +145,26 @@ def build_app(
         if st.on_engine_dead is not None:
             st.on_engine_dead()
 
+    admission = AdmissionController(
+        settings.max_queued_requests,
+        settings.max_queued_tokens,
+        slo=settings.slo_targets,
+        policy=settings.engine.scheduling_policy,
+        max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+        max_num_seqs=settings.engine.max_num_seqs,
+        clock=clock,
+    )
+    metrics.signal.source = admission.signal
+
+    def _on_stats(stats: EngineStats) -> None:
+        metrics.observe_stats(stats)
+        admission.observe_stats(stats)
+
     client = EngineClient(
         settings.engine,
         engine_factory=engine_factory,
         on_dead=_dead,
-        on_stats=metrics.observe_stats,
+        on_stats=_on_stats,
     )
     state = ServerState(
         settings=settings,
@@ -157,7 +173,7 @@ def build_app(
         tracing=tracing,
         keys=keys,
         rate_limiter=RateLimiter(clock),
-        admission=AdmissionController(settings.max_queued_requests, settings.max_queued_tokens),
+        admission=admission,
         codec_factory=codec_factory or load_codec,
         on_ready=on_ready,
         on_engine_dead=on_engine_dead,

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.engine.config import EngineConfig
+from sluice.server.slo import SloTargets
 from sluice.settings import (
     Option,
     make_option,
@@ -56,6 +57,9 @@ class ServerSettings(BaseModel):
     keys_file: str | None = Field(None, description="YAML/JSON keys file: key -> tier, rpm, tpm.")
     max_queued_requests: int = Field(256, ge=0, description="Admitted, not started requests before 429.")
     max_queued_tokens: int = Field(262_144, ge=0, description="Their prompt + max_tokens before 429.")
+    slo: str = Field("auto", description=(
+        "Per-class TTFT targets for admission by predicted wait, e.g. p0=0.5s,p1=2s,p2=5s; a class left out, "
+        "or 'auto', gets max(0.5/2/5 s, 4/10/25 x its unloaded TTFT); 'off': no predicted-wait admission."))
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1, description="Largest request body (413 above).")
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds to drain in-flight requests on SIGTERM.")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")
@@ -77,6 +81,18 @@ class ServerSettings(BaseModel):
         if v not in LOG_LEVELS:
             raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
         return v
+
+    @field_validator("slo")
+    @classmethod
+    def _slo(cls, v: str) -> str:
+        if v.strip().lower() != "off":
+            SloTargets.parse(v)  # ValueError names the bad entry
+        return v
+
+    @property
+    def slo_targets(self) -> SloTargets | None:
+        """The TTFT targets; None when predicted-wait admission is off."""
+        return None if self.slo.strip().lower() == "off" else SloTargets.parse(self.slo)
 
     @property
     def model_name(self) -> str:

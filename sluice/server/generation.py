@@ -63,7 +63,9 @@ class Generation:
         keep_text: bool,
         on_started: Callable[[], None],
         on_choice_done: Callable[[Choice], None],
+        priority_label: str = "p1",
     ):
+        self.priority_label = priority_label
         self.client = client
         self.stream = stream
         self.choices = choices

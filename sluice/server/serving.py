@@ -184,8 +184,21 @@ class OpenAIServing:
         assert ctx.key is not None
         num_tokens = sum(len(p) + sp.max_tokens * n for p in prep.prompts)
         self.rate_limiter.check(ctx.key, num_tokens)
-        for victim in self.admission.admit(ctx.uid, ctx.priority, num_tokens):
+        num_prompt_tokens = sum(len(p) * n for p in prep.prompts)
+        label = ctx.priority.label
+        try:
+            decision = self.admission.admit(ctx.uid, ctx.priority, num_tokens, num_prompt_tokens)
+        except OverloadedError as e:
+            self.metrics.observe_rejected(label, e.code or "overloaded")
+            raise
+        for victim in decision.shed:
             self._shed(victim)
+        ttft_target = decision.target or 0.0
+        if decision.predicted_ttft is not None:
+            ctx.extra["predicted_ttft"] = decision.predicted_ttft
+            self.metrics.observe_prediction(label, decision.predicted_ttft)
+        if decision.target is not None:
+            ctx.extra["slo_target"] = decision.target
         reqs: list[EngineRequest] = []
         choices: list[Choice] = []
         trace_id = format(ctx.span.get_span_context().trace_id, "032x")
@@ -205,6 +218,7 @@ class OpenAIServing:
                         priority=int(ctx.priority),
                         arrival_time=ctx.arrival,
                         trace_id=trace_id,
+                        ttft_target=ttft_target,
                     )
                 )
                 det = self.codec.detokenizer(list(sp.stop), sp.skip_special_tokens, prompt)
@@ -215,7 +229,6 @@ class OpenAIServing:
         except SluiceError:
             self.admission.remove(ctx.uid)
             raise
-        label = ctx.priority.label
         gen = Generation(
             self.client,
             stream,
@@ -223,6 +236,7 @@ class OpenAIServing:
             arrival=ctx.arrival,
             keep_text=not prep.request.stream,
             on_started=lambda: self.admission.remove(ctx.uid),
+            priority_label=label,
             on_choice_done=lambda c: self._choice_done(ctx, c, label),
         )
         self.inflight[ctx.uid] = gen
@@ -234,12 +248,23 @@ class OpenAIServing:
         if gen is None:
             return
         gen.close()
+        self.metrics.observe_rejected(gen.priority_label, "shed")
         gen.stream.fail(
-            OverloadedError("shed by admission control to make room for a higher-priority request", retry_after=1.0)
+            OverloadedError(
+                "shed by admission control to make room for a higher-priority request",
+                retry_after=self.admission.jittered(self.admission.retry_after),
+                code="shed",
+            )
         )
 
     def _choice_done(self, ctx: RequestContext, c: Choice, label: str) -> None:
         self.metrics.observe_finished(label, c.timings, c.num_tokens)
+        self.admission.observe_output_tokens(c.num_tokens)
+        t = c.timings
+        if c.index == 0 and t is not None and t.ttft is not None:
+            predicted = ctx.extra.get("predicted_ttft")
+            if predicted is not None:
+                self.metrics.observe_prediction_error(label, t.ttft - predicted)
         t = c.timings
         if t is not None:
             record_stages(self.tracing, ctx.span, t, {"sluice.choice": c.index, "sluice.priority": label})
@@ -312,6 +337,7 @@ class OpenAIServing:
         self.metrics.queued.set(self.admission.num_queued)
         label = ctx.priority.label
         self.metrics.count_request(ctx.status, label)
+        self.metrics.observe_slo(label, self._slo_met(ctx, gen))
         span = ctx.span
         span.set_attribute("http.response.status_code", ctx.status)
         span.set_attribute("sluice.priority", label)
@@ -341,6 +367,17 @@ class OpenAIServing:
         if ctx.extra.get("error"):
             fields["error"] = ctx.extra["error"]
         request_log.info("request", extra={"fields": fields})
+
+
+    @staticmethod
+    def _slo_met(ctx: RequestContext, gen: Generation | None) -> bool:
+        """Served within its class's TTFT target (a rejected or failed request misses it)."""
+        target = ctx.extra.get("slo_target")
+        if ctx.status != 200 or gen is None or not gen.choices:
+            return False
+        t = gen.choices[0].timings
+        ttft = None if t is None else t.ttft
+        return ttft is not None and (target is None or ttft <= target)
 
 
 def _dur(a: float | None, b: float | None) -> float | None:

@@ -18,11 +18,24 @@ turns a request's timings into its queue / prefill / decode spans::
     sluice_requests_total{status,priority}           counter, status = HTTP code (499: client went away)
     sluice_prompt_tokens_total / _generation_tokens_total
     sluice_host_cpu_utilization_ratio / sluice_host_memory_used_ratio   (sluice.obs.host)
+
+SLO admission (issue 11; ``sluice.server.admission``)::
+
+    sluice_predicted_ttft_seconds{priority}            gauge: predicted TTFT of a new request now (mean prompt)
+    sluice_slo_ttft_target_seconds{priority}           gauge: its class's TTFT target (mean prompt)
+    sluice_admission_predicted_ttft_seconds{priority}  histogram: the prediction each admitted request got
+    sluice_ttft_prediction_error_seconds{priority}     histogram: measured - predicted TTFT (signed)
+    sluice_admission_rejected_total{priority,reason}   counter: 429s; reason = slo_unattainable | queue_full | shed
+    sluice_slo_requests_total{priority}                counter: finished HTTP requests (served, shed, failed)
+    sluice_slo_attained_total{priority}                counter: ... of them served within the class's target
+    sluice_engine_step_time_base_seconds               gauge: fitted fixed cost of an engine step
+    sluice_engine_step_time_per_token_seconds          gauge: fitted cost per batched token
+    sluice_engine_prefill_tokens_pending{priority}     gauge: tokens still to prefill in the engine
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -39,6 +52,7 @@ __all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST", "reco
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 PRIORITIES = ("p0", "p1", "p2")
+_ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 class ServerMetrics:
@@ -61,9 +75,18 @@ class ServerMetrics:
         self.info = Gauge("sluice_model_info", "The served model (value 1).", ["model"], registry=r)
         if model_name:
             self.info.labels(model=model_name).set(1)
+        self.predicted = Histogram("sluice_admission_predicted_ttft_seconds", "Predicted TTFT of each admitted request.", lab, registry=r, buckets=_LATENCY_BUCKETS)
+        self.prediction_error = Histogram("sluice_ttft_prediction_error_seconds", "Measured minus predicted TTFT (signed).", lab, registry=r, buckets=_ERROR_BUCKETS)
+        self.rejected = Counter("sluice_admission_rejected", "Requests answered 429 by admission control.", ["priority", "reason"], registry=r)
+        self.slo_requests = Counter("sluice_slo_requests", "Finished HTTP requests judged against their class's TTFT target.", lab, registry=r)
+        self.slo_attained = Counter("sluice_slo_attained", "Requests served within their class's TTFT target.", lab, registry=r)
+        self.signal = SloSignalCollector()
+        r.register(self.signal)
         for p in PRIORITIES:  # export zeros from the start: dashboards see every class
-            for h in (self.ttft, self.tpot, self.e2e, self.queue):
+            for h in (self.ttft, self.tpot, self.e2e, self.queue, self.predicted, self.prediction_error):
                 h.labels(priority=p)
+            self.slo_requests.labels(priority=p)
+            self.slo_attained.labels(priority=p)
         r.register(HostCollector())
 
     def observe_stats(self, s: EngineStats) -> None:
@@ -84,6 +107,20 @@ class ServerMetrics:
                 self.tpot.labels(priority=priority).observe(
                     max(0.0, (t.finished - t.first_token) / (num_generated - 1))
                 )
+
+    def observe_prediction(self, priority: str, predicted: float) -> None:
+        self.predicted.labels(priority=priority).observe(max(0.0, predicted))
+
+    def observe_prediction_error(self, priority: str, error: float) -> None:
+        self.prediction_error.labels(priority=priority).observe(error)
+
+    def observe_rejected(self, priority: str, reason: str) -> None:
+        self.rejected.labels(priority=priority, reason=reason).inc()
+
+    def observe_slo(self, priority: str, attained: bool) -> None:
+        self.slo_requests.labels(priority=priority).inc()
+        if attained:
+            self.slo_attained.labels(priority=priority).inc()
 
     def count_request(self, status: int, priority: str) -> None:
         self.requests.labels(status=str(status), priority=priority).inc()
@@ -118,6 +155,34 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=s.prefix_cache_queries)
         yield CounterMetricFamily("sluice_preemptions", "Requests preempted (freed and recomputed later).", value=s.num_preemptions)
         yield CounterMetricFamily("sluice_engine_steps", "Engine steps.", value=s.num_steps)
+        yield GaugeMetricFamily("sluice_engine_step_time_base_seconds", "Fitted fixed cost of an engine step.", value=s.step_time_base)
+        yield GaugeMetricFamily("sluice_engine_step_time_per_token_seconds", "Fitted cost of one batched token in a step.", value=s.step_time_per_token)
+        g = GaugeMetricFamily("sluice_engine_prefill_tokens_pending", "Tokens still to prefill in the engine, by class.", labels=["priority"])
+        for p, v in zip(PRIORITIES, s.num_prefill_tokens_by_priority):
+            g.add_metric([p], v)
+        yield g
+
+
+class SloSignalCollector(Collector):
+    """The predicted-wait signal, computed at scrape time: (predicted TTFT, target) per class.
+
+    ``source`` is set by the app once admission control exists (``AdmissionController.signal``).
+    """
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[tuple[float, float]]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        values = self.source()
+        pred = GaugeMetricFamily("sluice_predicted_ttft_seconds", "Predicted TTFT of a new request now (mean prompt length).", labels=["priority"])
+        target = GaugeMetricFamily("sluice_slo_ttft_target_seconds", "TTFT target of the class (mean prompt length; 0: no target).", labels=["priority"])
+        for p, (v, t) in zip(PRIORITIES, values):
+            pred.add_metric([p], v)
+            target.add_metric([p], t)
+        yield pred
+        yield target
 
 
 def record_stages(tracing: Tracing, parent: Span, t: RequestTimings | None, attributes: dict[str, str | int]) -> None:

@@ -155,6 +155,9 @@ class FakeEngineCore:
             run[r.req.priority] += 1
         for r in self.waiting:
             wait[r.req.priority] += 1
+        prefill = [0, 0, 0]
+        for r in self.waiting:
+            prefill[r.req.priority] += len(r.req.prompt_token_ids)
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -164,6 +167,13 @@ class FakeEngineCore:
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
             num_steps=self.num_steps,
+            num_decoding=len(self.running),
+            num_prefill_tokens_by_priority=prefill,
+            # NOTE(fake-rates): a step takes step_delay whatever its size, and a
+            # whole prompt is one step: the rates the admission tests predict from
+            step_time_base=self.step_delay,
+            max_num_batched_tokens=1 << 20,
+            max_num_seqs=self.config.max_num_seqs,
         )
 
     # -- internals -----------------------------------------------------------------

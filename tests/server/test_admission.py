@@ -11,7 +11,7 @@ from sluice.types import Priority
 
 def test_admits_until_the_request_bound_then_rejects_same_class() -> None:
     a = AdmissionController(max_queued_requests=2, max_queued_tokens=10_000)
-    assert a.admit("r1", Priority.P1, 10) == [] and a.admit("r2", Priority.P1, 10) == []
+    assert a.admit("r1", Priority.P1, 10).shed == [] and a.admit("r2", Priority.P1, 10).shed == []
     with pytest.raises(OverloadedError) as e:
         a.admit("r3", Priority.P1, 10)
     assert e.value.status_code == 429 and e.value.retry_after > 0
@@ -25,7 +25,7 @@ def test_token_bound_counts_prompt_plus_max_tokens() -> None:
         a.admit("r2", Priority.P1, 41)
     a.remove("r1")
     assert a.num_queued_tokens == 0
-    assert a.admit("r2", Priority.P1, 100) == []
+    assert a.admit("r2", Priority.P1, 100).shed == []
 
 
 def test_a_single_request_over_the_token_bound_is_rejected_outright() -> None:
@@ -39,8 +39,8 @@ def test_higher_class_sheds_newest_of_lowest_class() -> None:
     a.admit("p1-old", Priority.P1, 1)
     a.admit("p2-old", Priority.P2, 1)
     a.admit("p2-new", Priority.P2, 1)
-    assert a.admit("p0", Priority.P0, 1) == ["p2-new"], "the newest request of the lowest class goes first"
-    assert a.admit("p1", Priority.P1, 1) == ["p2-old"], "P1 may shed P2"
+    assert a.admit("p0", Priority.P0, 1).shed == ["p2-new"], "the newest request of the lowest class goes first"
+    assert a.admit("p1", Priority.P1, 1).shed == ["p2-old"], "P1 may shed P2"
     with pytest.raises(OverloadedError):
         a.admit("p1-again", Priority.P1, 1)  # only P0/P1 left: a P1 cannot shed its own class
 

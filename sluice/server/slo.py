@@ -1,0 +1,185 @@
+"""TTFT targets per class and the predicted time to first token of a new request (pure).
+
+Targets (``--slo p0=0.5s,p1=2s,p2=5s``, or ``slo:`` in the config file)::
+
+    SloTargets.parse("p0=0.5s,p1=2s")     # p2 keeps its default
+    SloTargets.parse("p0=300ms")          # units: s, ms; a bare number is seconds
+
+NOTE(auto-slo): a class given no target gets ``max(floor, multiple x the
+request's unloaded TTFT)``, floors 0.5 / 2 / 5 s and multiples 4 / 10 / 25 for
+P0 / P1 / P2, the unloaded TTFT coming from the engine's measured step time.
+A user who configures nothing is protected (P0 is never asked to beat four
+times what an idle engine does for that very prompt), and a long prompt on a
+slow machine is not rejected for a target no idle engine could meet.
+
+The prediction (``predict_ttft``) is a model of the scheduler
+(``sluice.engine.scheduler``) fed with the engine's measured step time
+``a + b * tokens`` and what is queued ahead of the request by class:
+
+    prefill-bound   the prefill tokens served before the request's last prompt
+                    token: its own class's backlog (FIFO) and the other classes'
+                    shares of the budget while it waits (wfq: GPS shares 5:3:1,
+                    priority: every higher class, fcfs: everything), at
+                    ``max_num_batched_tokens - decodes`` tokens a step
+    slot-bound      with every ``max_num_seqs`` slot held by its class or higher
+                    ones, the steps until enough of them finish (a running request
+                    holds its slot for its output length, measured)
+
+plus half a step (it arrives while one is running).  Lower classes neither
+hold slots nor blocks against it (it preempts them).  Future arrivals are not
+foreseen; the admission re-predicts at every arrival instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sluice.engine.protocol import EngineStats
+from sluice.types import PRIORITY_WEIGHTS, Priority
+
+__all__ = ["SloTargets", "EngineLoad", "predict_ttft", "unloaded_ttft", "AUTO_FLOORS", "AUTO_MULTIPLES"]
+
+AUTO_FLOORS = (0.5, 2.0, 5.0)  # seconds, P0 / P1 / P2
+AUTO_MULTIPLES = (4.0, 10.0, 25.0)  # x the request's unloaded TTFT
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
+
+
+def _parse_seconds(text: str) -> float:
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"invalid duration {text!r}: expected e.g. 0.5s, 500ms or 2")
+    value = float(m.group(1)) / (1000.0 if m.group(2) == "ms" else 1.0)
+    if value <= 0.0:
+        raise ValueError(f"a TTFT target must be > 0, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """TTFT target per class, in seconds; ``None``: derived from the unloaded TTFT (NOTE(auto-slo))."""
+
+    seconds: tuple[float | None, float | None, float | None] = (None, None, None)
+
+    @classmethod
+    def parse(cls, text: str | None) -> SloTargets:
+        if text is None or not text.strip() or text.strip() == "auto":
+            return cls()
+        values: list[float | None] = [None, None, None]
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"invalid SLO entry {part.strip()!r}: expected CLASS=SECONDS, e.g. p0=0.5s")
+            try:
+                p = Priority[name.strip().upper()]
+            except KeyError:
+                raise ValueError(f"unknown class {name.strip()!r} in the SLO: use p0, p1, p2") from None
+            values[p] = _parse_seconds(value)
+        return cls((values[0], values[1], values[2]))
+
+    def target(self, priority: int, unloaded: float) -> float:
+        """The class's TTFT target for a request whose unloaded TTFT is ``unloaded`` seconds."""
+        explicit = self.seconds[priority]
+        if explicit is not None:
+            return explicit
+        return max(AUTO_FLOORS[priority], AUTO_MULTIPLES[priority] * unloaded)
+
+    def describe(self) -> str:
+        return ",".join(f"p{p}={'auto' if s is None else f'{s:g}s'}" for p, s in enumerate(self.seconds))
+
+
+@dataclass
+class EngineLoad:
+    """What is ahead of a new request: the engine's last stats plus what was sent after them."""
+
+    step_time_base: float = 0.0  # seconds, a
+    step_time_per_token: float = 0.0  # seconds per batched token, b
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    num_decoding: int = 0
+    num_running_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
+    num_waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # requests that need a slot
+    num_prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
+    mean_output_tokens: float = 16.0  # decode steps a request holds its slot (measured)
+    policy: str = "wfq"
+
+    @classmethod
+    def from_stats(cls, s: EngineStats, *, policy: str, mean_output_tokens: float,
+                   max_num_batched_tokens: int, max_num_seqs: int) -> EngineLoad:  # fmt: skip
+        return cls(
+            step_time_base=s.step_time_base,
+            step_time_per_token=s.step_time_per_token,
+            max_num_batched_tokens=s.max_num_batched_tokens or max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs or max_num_seqs,
+            num_decoding=s.num_decoding,
+            num_running_by_priority=list(s.num_running_by_priority),
+            num_waiting_by_priority=list(s.num_waiting_by_priority),
+            num_prefill_tokens_by_priority=list(s.num_prefill_tokens_by_priority),
+            mean_output_tokens=mean_output_tokens,
+            policy=policy,
+        )
+
+    @property
+    def is_measured(self) -> bool:
+        return self.step_time_base > 0.0 or self.step_time_per_token > 0.0
+
+    def step_time(self, num_tokens: float) -> float:
+        return self.step_time_base + self.step_time_per_token * num_tokens
+
+    def add(self, priority: int, num_prompt_tokens: int, sign: int = 1) -> None:
+        """Count (or, ``sign=-1``, uncount) a queued request the stats do not show yet (or that is shed)."""
+        self.num_waiting_by_priority[priority] = max(0, self.num_waiting_by_priority[priority] + sign)
+        t = self.num_prefill_tokens_by_priority[priority] + sign * num_prompt_tokens
+        self.num_prefill_tokens_by_priority[priority] = max(0, t)
+
+
+def unloaded_ttft(load: EngineLoad, num_prompt_tokens: int) -> float:
+    """An idle engine's TTFT for this prompt: its prefill chunks, one step each."""
+    budget = max(1, load.max_num_batched_tokens)
+    steps = max(1, math.ceil(num_prompt_tokens / budget))
+    return steps * load.step_time_base + load.step_time_per_token * num_prompt_tokens
+
+
+def _tokens_served_first(load: EngineLoad, priority: int, own: float) -> float:
+    """Prefill tokens the engine computes until ``own`` more tokens of class ``priority`` are done."""
+    backlog: Sequence[float] = load.num_prefill_tokens_by_priority
+    if load.policy == "fcfs":
+        return sum(backlog) + own
+    if load.policy == "priority":
+        return sum(backlog[:priority]) + own
+    # GPS: while the class is backlogged, class k gets w_k / w_c of its service
+    wc = PRIORITY_WEIGHTS[Priority(priority)]
+    total = own
+    for k, tokens in enumerate(backlog):
+        if k != priority:
+            total += min(float(tokens), own * PRIORITY_WEIGHTS[Priority(k)] / wc)
+    return total
+
+
+def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
+    """Predicted seconds from now to the first token of a new request (pure; 0 until the engine is measured)."""
+    if not load.is_measured:
+        return 0.0
+    c = int(priority)
+    own = float(load.num_prefill_tokens_by_priority[c] + num_prompt_tokens)
+    decodes = load.num_decoding
+    per_step = max(1.0, load.max_num_batched_tokens - decodes)
+    served = _tokens_served_first(load, c, own)
+    steps = max(1, math.ceil(served / per_step))
+    prefill_bound = steps * load.step_time_base + load.step_time_per_token * (served + steps * decodes)
+    # slots: running and queued requests of this class and higher ones come first
+    holders = sum(load.num_running_by_priority[: c + 1]) + sum(load.num_waiting_by_priority[: c + 1])
+    short = holders + 1 - load.max_num_seqs
+    slot_bound = 0.0
+    if short > 0:
+        # NOTE(slot-turnover): with every slot held, one frees every
+        # mean_output_tokens / max_num_seqs steps on average
+        full_step = load.step_time(min(load.max_num_batched_tokens, load.max_num_seqs + per_step / 2))
+        wait_steps = short * max(1.0, load.mean_output_tokens) / load.max_num_seqs
+        slot_bound = wait_steps * full_step + unloaded_ttft(load, num_prompt_tokens + decodes)
+    current = load.step_time(min(load.max_num_batched_tokens, decodes + sum(load.num_prefill_tokens_by_priority)))
+    return max(prefill_bound, slot_bound) + 0.5 * current

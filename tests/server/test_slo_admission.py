@@ -1,0 +1,166 @@
+"""Admission by predicted wait (issue 11): known engine rates, a fake clock, hand-computed predictions.
+
+The engine below is "measured" at a = 10 ms per step plus b = 1 ms per batched
+token, a 512-token budget and 64 slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+
+from sluice.engine.protocol import EngineStats
+from sluice.errors import OverloadedError
+from sluice.http_errors import retry_after_header
+from sluice.server.admission import AdmissionController
+from sluice.server.slo import EngineLoad, SloTargets, predict_ttft, unloaded_ttft
+from sluice.types import Priority
+
+
+class FakeClock:
+    def __init__(self, now: float = 10.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stats(**kw: object) -> EngineStats:
+    base: dict[str, object] = dict(step_time_base=0.01, step_time_per_token=0.001, max_num_batched_tokens=512, max_num_seqs=64)
+    base.update(kw)
+    return EngineStats(**base)  # type: ignore[arg-type]
+
+
+def controller(slo: str, clock: FakeClock, policy: str = "wfq", seed: int = 0) -> AdmissionController:
+    return AdmissionController(1000, 10**9, slo=SloTargets.parse(slo), policy=policy, clock=clock, rng=random.Random(seed))
+
+
+def test_prediction_from_known_rates_and_queue_by_class() -> None:
+    load = EngineLoad.from_stats(stats(num_waiting_by_priority=[0, 0, 3], num_prefill_tokens_by_priority=[0, 0, 300]),
+                                 policy="wfq", mean_output_tokens=16, max_num_batched_tokens=512, max_num_seqs=64)  # fmt: skip
+    half_current_step = 0.5 * (0.01 + 0.001 * 300)
+    # p2 behind 300 p2 tokens: one 400-token step
+    assert predict_ttft(load, Priority.P2, 100) == pytest.approx(0.01 + 0.4 + half_current_step)
+    # p0 under wfq: p2 keeps 1/5 of p0's share (20 tokens) while p0 prefills
+    assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.12 + half_current_step)
+    load.policy = "priority"
+    assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.1 + half_current_step)
+    assert unloaded_ttft(load, 100) == pytest.approx(0.11)
+
+
+def test_slot_bound_prediction_when_every_slot_is_held_by_the_class_or_higher() -> None:
+    load = EngineLoad.from_stats(stats(num_running_by_priority=[0, 4, 0], num_decoding=4, max_num_seqs=4),
+                                 policy="wfq", mean_output_tokens=20, max_num_batched_tokens=512, max_num_seqs=4)  # fmt: skip
+    full_step = 0.01 + 0.001 * 4 + 0.001 * (512 - 4) / 2  # 4 decodes + half a budget of prefill
+    # one P1 must finish first: 20 output tokens over 4 slots = 5 steps, then its own prefill step
+    expected = 5 * full_step + (0.01 + 0.001 * 104) + 0.5 * (0.01 + 0.004)
+    assert predict_ttft(load, Priority.P1, 100) == pytest.approx(expected)
+    assert predict_ttft(load, Priority.P0, 100) < 0.2, "P0 takes a P1 slot: no slot wait"
+
+
+def test_request_over_its_target_is_rejected_at_once_with_retry_after() -> None:
+    clock = FakeClock()
+    a = controller("p2=0.5s", clock)
+    a.observe_stats(stats(num_waiting_by_priority=[0, 0, 3], num_prefill_tokens_by_priority=[0, 0, 300]))
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p2-new", Priority.P2, 116, 100)  # predicted 0.565 s > 0.5 s
+    assert e.value.status_code == 429 and e.value.code == "slo_unattainable"
+    assert 1.0 <= e.value.retry_after <= 2.5, "Retry-After: at least the base second, at most 1.5x + 1 s of jitter"
+    assert a.num_queued == 0
+    d = a.admit("p1", Priority.P1, 116, 100)  # p1's auto target is at least 2 s
+    assert d.shed == [] and d.predicted_ttft is not None and d.target is not None and d.target >= 2.0
+
+
+def test_p0_sheds_just_enough_queued_p2_newest_first() -> None:
+    clock = FakeClock()
+    a = controller("p0=0.2s", clock)
+    a.observe_stats(stats())
+    for i in range(3):
+        a.admit(f"p2-{i}", Priority.P2, 116, 100)  # sent after the stats: counted as queued ahead
+    d = a.admit("p0", Priority.P0, 101, 100)
+    # with 3 p2 queued: 0.285 s; shedding p2-2: 0.235 s; shedding p2-1 too: 0.185 s <= 0.2 s
+    assert d.shed == ["p2-2", "p2-1"], "newest of the lowest class first, only as many as needed"
+    assert d.predicted_ttft == pytest.approx(0.185) and a.num_queued == 2
+
+
+def test_nobody_is_shed_when_shedding_all_lower_classes_would_not_help() -> None:
+    clock = FakeClock()
+    a = controller("p1=0.05s", clock)
+    a.observe_stats(stats())
+    a.admit("p2", Priority.P2, 116, 100)
+    with pytest.raises(OverloadedError):
+        a.admit("p1", Priority.P1, 116, 100)  # 0.11 s even alone
+    assert a.num_queued == 1, "a failed admission sheds nobody"
+
+
+def test_requests_the_stats_already_count_are_not_counted_twice() -> None:
+    clock = FakeClock(9.0)
+    a = controller("auto", clock)
+    a.observe_stats(stats())
+    a.admit("p1", Priority.P1, 116, 100)
+    assert a.load().num_prefill_tokens_by_priority == [0, 100, 0], "sent after the last stats: counted by the API"
+    clock.now = 10.0
+    a.observe_stats(stats(num_waiting_by_priority=[0, 1, 0], num_prefill_tokens_by_priority=[0, 100, 0]))
+    assert a.load().num_prefill_tokens_by_priority == [0, 100, 0], "now in the engine's stats: counted once"
+
+
+def test_unmeasured_engine_admits_on_the_queue_bound_alone() -> None:
+    a = controller("p2=0.001s", FakeClock())
+    d = a.admit("p2", Priority.P2, 116, 100)
+    assert d.predicted_ttft is None and d.shed == []
+
+
+def test_retry_after_of_a_shed_wave_is_spread_out() -> None:
+    clock = FakeClock()
+    a = controller("p2=0.5s", clock, seed=1)
+    a.observe_stats(stats(num_waiting_by_priority=[0, 0, 30], num_prefill_tokens_by_priority=[0, 0, 3000]))
+    headers = []
+    for i in range(50):
+        with pytest.raises(OverloadedError) as e:
+            a.admit(f"p2-{i}", Priority.P2, 116, 100)
+        headers.append(int(retry_after_header(e.value.retry_after)))
+    assert len(set(headers)) >= 3, f"50 shed requests must not all be told the same second: {sorted(set(headers))}"
+    excess = predict_ttft(a.load(), Priority.P2, 100) - 0.5
+    assert min(headers) >= excess, "Retry-After is never shorter than the predicted excess wait"
+
+
+def test_slo_targets_parse_and_auto_defaults() -> None:
+    t = SloTargets.parse("p0=300ms, p2=4")
+    assert t.seconds == (0.3, None, 4.0)
+    assert t.target(Priority.P1, unloaded=0.05) == 2.0, "auto p1: the 2 s floor"
+    assert t.target(Priority.P1, unloaded=0.5) == 5.0, "auto p1: 10x a slow unloaded TTFT"
+    assert SloTargets.parse("auto").target(Priority.P0, unloaded=0.2) == pytest.approx(0.8)
+    for bad in ("p3=1s", "p0", "p0=-1s", "p0=fast"):
+        with pytest.raises(ValueError):
+            SloTargets.parse(bad)
+
+
+async def test_server_answers_429_at_once_when_the_predicted_wait_is_over_target(server_factory) -> None:
+    # one slot, 0.1 s steps: a p2 behind a 20-token p1 would wait ~1.7 s, over its 1 s target
+    srv = server_factory(step_delay=0.1, max_num_seqs=1, slo="p2=1s")
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+
+        async def go(priority: str, tokens: int) -> httpx.Response:
+            return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": tokens}, headers={"x-priority": priority})
+
+        running = asyncio.create_task(go("p1", 20))
+        deadline = time.monotonic() + 10
+        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        r = await go("p2", 5)
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unattainable"
+        assert int(r.headers["retry-after"]) >= 1
+        assert elapsed < 1.0, f"a request that cannot meet its target is answered at once, took {elapsed:.2f} s"
+        p0 = await go("p0", 1)
+        assert p0.status_code == 200, "p0's target (auto, >= 0.5 s) is met behind one running p1? it is admitted"
+        assert (await running).status_code == 200
+        text = (await c.get("/metrics")).text
+    assert 'sluice_admission_rejected_total{priority="p2",reason="slo_unattainable"} 1.0' in text
+    assert 'sluice_predicted_ttft_seconds{priority="p0"}' in text and 'sluice_slo_ttft_target_seconds{priority="p2"} 1.0' in text
+    assert 'sluice_slo_requests_total{priority="p2"} 1.0' in text and 'sluice_slo_attained_total{priority="p2"} 0.0' in text
