@@ -156,7 +156,13 @@ class FakeServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         values = {"sluice_num_requests_running": float(self.num_in_flight), **self.config.metrics}
-        lines = [line for name, v in values.items() for line in (f"# TYPE {name} gauge", f"{name} {v}")]
+        lines, typed = [], set()
+        for name, v in values.items():  # a name may carry labels: 'sluice_x{priority="p0"}'
+            family = name.split("{", 1)[0]
+            if family not in typed:
+                typed.add(family)
+                lines.append(f"# TYPE {family} gauge")
+            lines.append(f"{name} {v}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:

@@ -137,6 +137,10 @@ class DegradationConfig(_Strict):
     exit: tuple[float, float, float] = (0.6, 0.8, 1.0)  # score below which level 1, 2, 3 is left
     rise_s: tuple[float, float, float] = (1.0, 15.0, 15.0)  # how long above enter[k] before rising
     fall_s: float = Field(default=10.0, ge=0)  # how long below exit[k] before falling one level
+    # with the replicas' predicted-wait signal (score = predicted TTFT / target): rise into level 1, 2, 3 at
+    # these ratios (level 3 at 1.0: the replicas would refuse the request anyway), leave below slo_exit
+    slo_enter: tuple[float, float, float] = (0.5, 0.8, 1.0)
+    slo_exit: tuple[float, float, float] = (0.3, 0.6, 0.8)
     shed_p1_score: float = Field(default=1.5, gt=0)  # at level 3, p1 is shed from this score up
     shed_p0_score: float = Field(default=2.0, gt=0)  # ... and p0 from this one, if no p1/p2 is left
     min_max_tokens: int = Field(default=16, ge=1)  # level 1 never caps below this
@@ -146,11 +150,15 @@ class DegradationConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> DegradationConfig:
-        if list(self.enter) != sorted(self.enter):
-            raise ValueError(f"degradation.enter must rise with the level, got {list(self.enter)}")
-        for k, (lo, hi) in enumerate(zip(self.exit, self.enter, strict=True)):
-            if lo >= hi:
-                raise ValueError(f"degradation.exit[{k}] ({lo}) must be below enter[{k}] ({hi}) (hysteresis)")
+        for name in ("", "slo_"):
+            enter, exit_ = getattr(self, name + "enter"), getattr(self, name + "exit")
+            if list(enter) != sorted(enter):
+                raise ValueError(f"degradation.{name}enter must rise with the level, got {list(enter)}")
+            for k, (lo, hi) in enumerate(zip(exit_, enter, strict=True)):
+                if lo >= hi:
+                    raise ValueError(f"degradation.{name}exit[{k}] ({lo}) must be below {name}enter[{k}] ({hi}) (hysteresis)")
+        if self.shed_p0_score < self.shed_p1_score:
+            raise ValueError("degradation.shed_p0_score must be >= shed_p1_score (p0 is shed last)")
         if any(s < 0 for s in self.rise_s):
             raise ValueError("degradation.rise_s must be >= 0")
         return self

@@ -1,14 +1,27 @@
-"""Graded degradation: as a model's measured load rises, serve less, then cheaper, then fewer.
+"""Graded degradation: as a model's load rises, serve less, then cheaper, then fewer.
 
     level 0  NORMAL      nothing changes
-    level 1  CAP_TOKENS  max_tokens capped to max(16, max_tokens * (1 - min(0.8, load))), load = score
+    level 1  CAP_TOKENS  max_tokens capped for p2, then p1: max(16, max_tokens * (1 - min(0.8, load)))
     level 2  FALLBACK    p1/p2 go to the model's lighter fallback version; p0 keeps the primary
-    level 3  SHED        429 + Retry-After: p2 first, then p1, p0 only when nothing else is left
+    level 3  SHED        429 + Retry-After: p2 first, then p1; p0 only when both are shed too
 
-The load of a model is one score, 1.0 = "at capacity", the worst of three ratios
-(``Pressure``): waiting requests vs ``queue_per_replica`` x routable replicas,
-in-flight tokens vs ``tokens_per_replica`` x routable replicas, and p95 time to
-first token vs the contract's ``ttft_target_s``.
+The load of a model is one score, 1.0 = "at capacity" (``Pressure``).  With
+sluice replicas it is their *predicted-wait signal*: each replica exports, per
+class, the TTFT it predicts for a new request and the class's target
+(``sluice_predicted_ttft_seconds`` / ``sluice_slo_ttft_target_seconds``); the
+ratio at the replica where a new request would go (the lowest) is the class's
+pressure, and the worst class's is the score.  So the gateway acts on what is
+about to happen, before measured TTFTs go bad: level 1 from half the target,
+level 2 from 0.8 of it, level 3 when the replicas would refuse the request
+anyway (``slo_enter``).  At level 3 a class is shed while its own predicted
+TTFT is over target and every lower class is shed too, so p0 is never shed
+while a lower class is admitted.
+
+Replicas that export no prediction (vLLM, any OpenAI server) fall back to the
+worst of three measured ratios: waiting requests vs ``queue_per_replica`` x
+routable replicas, in-flight tokens vs ``tokens_per_replica`` x routable
+replicas, and p95 time to first token vs the contract's ``ttft_target_s``
+(thresholds ``enter`` / ``exit``).
 
 Levels move one step at a time with hysteresis (``step_level``, pure): up to
 level k+1 once the score has stayed >= ``enter[k]`` for ``rise_s[k]``, down from
@@ -26,6 +39,7 @@ import abc
 import enum
 import logging
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,12 +82,29 @@ class Pressure:
     queue: float  # waiting requests / (queue_per_replica * routable replicas)
     tokens: float  # in-flight tokens / (tokens_per_replica * routable replicas)
     ttft: float  # p95 TTFT / ttft_target_s (0 with no samples)
+    # predicted TTFT / target per class p0..p2 at the best replica; None: no replica exports the signal
+    predicted: tuple[float, float, float] | None = None
+    # seconds a new request of each class is predicted to wait past its target (0: within it)
+    excess_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def is_predicted(self) -> bool:
+        return self.predicted is not None
 
     @property
     def score(self) -> float:
+        if self.predicted is not None:
+            return max(self.predicted)
         return max(self.queue, self.tokens, self.ttft)
 
+    def ratio(self, priority: Priority) -> float:
+        """The class's own pressure (the score when replicas give no per-class prediction)."""
+        return self.score if self.predicted is None else self.predicted[priority]
+
     def describe(self) -> str:
+        if self.predicted is not None:
+            per = ", ".join(f"p{c} {r:.2f}" for c, r in enumerate(self.predicted))
+            return f"score {self.score:.2f} (predicted TTFT / target: {per})"
         return f"score {self.score:.2f} (queue {self.queue:.2f}, tokens {self.tokens:.2f}, ttft {self.ttft:.2f})"
 
 
@@ -86,10 +117,17 @@ def pressure(load: ModelLoad, config: DegradationConfig, p95_ttft_s: float | Non
     # denominator; the 503 path, not degradation, handles a model with no replica.
     n = max(1, load.num_routable)
     ttft = p95_ttft_s if p95_ttft_s is not None else load.p95_ttft_s
+    predicted = excess = None
+    if load.slo_by_priority is not None:
+        slo = load.slo_by_priority
+        predicted = tuple(pred / target if target > 0 else 0.0 for pred, target in slo)
+        excess = tuple(max(0.0, pred - target) if target > 0 else 0.0 for pred, target in slo)
     return Pressure(
         queue=load.num_waiting / (config.queue_per_replica * n),
         tokens=load.inflight_tokens / (config.tokens_per_replica * n),
         ttft=(ttft or 0.0) / config.ttft_target_s,
+        predicted=predicted,  # type: ignore[arg-type]
+        excess_s=excess or (0.0, 0.0, 0.0),  # type: ignore[arg-type]
     )
 
 
@@ -111,18 +149,24 @@ class LevelChange:
     at: float  # clock time
 
 
-def step_level(state: LevelState, score: float, now: float, config: DegradationConfig) -> LevelState:
-    """The next level state for one load reading (pure, one level per call at most)."""
+def step_level(
+    state: LevelState, score: float, now: float, config: DegradationConfig, *, is_predicted: bool = False
+) -> LevelState:
+    """The next level state for one load reading (pure, one level per call at most).
+
+    ``is_predicted``: the score is the replicas' predicted-wait ratio (thresholds ``slo_enter`` / ``slo_exit``).
+    """
+    enter, exit_ = (config.slo_enter, config.slo_exit) if is_predicted else (config.enter, config.exit)
     level = state.level
     above_since = state.above_since
     below_since = state.below_since
-    if level < DegradationLevel.SHED and score >= config.enter[level]:
+    if level < DegradationLevel.SHED and score >= enter[level]:
         above_since = now if above_since is None else above_since
         if now - above_since >= config.rise_s[level]:
             return LevelState(DegradationLevel(level + 1), now, None, None)
     else:
         above_since = None
-    if level > DegradationLevel.NORMAL and score < config.exit[level - 1]:
+    if level > DegradationLevel.NORMAL and score < exit_[level - 1]:
         below_since = now if below_since is None else below_since
         if now - below_since >= config.fall_s:
             return LevelState(DegradationLevel(level - 1), now, None, None)
@@ -143,10 +187,20 @@ def should_shed(
     score: float,
     num_inflight_by_priority: dict[Priority, int],
     config: DegradationConfig,
+    predicted: tuple[float, float, float] | None = None,
 ) -> bool:
-    """Level 3's admission (pure): p2 first, p1 from ``shed_p1_score``, p0 last."""
+    """Level 3's admission (pure): p2 first, then p1, p0 last.
+
+    With the predicted-wait signal a class is shed while its own predicted TTFT
+    is at least ``slo_enter[2]`` x its target *and every lower class is shed
+    too*; without it, p1 from ``shed_p1_score`` and p0 from ``shed_p0_score``.
+    """
     if level < DegradationLevel.SHED:
         return False
+    if predicted is not None:
+        # NOTE(p0-last): monotone by construction: shedding class c needs every
+        # class below it shed, so p0 is never shed while p1 or p2 is admitted.
+        return all(predicted[k] >= config.slo_enter[2] for k in range(int(priority), len(predicted)))
     if priority is Priority.P2:
         return True
     if priority is Priority.P1:
@@ -225,10 +279,12 @@ class GradedDegradation(DegradationPolicy):
         *,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[LevelChange], None] | None = None,
+        rng: random.Random | None = None,
     ):
         self.config = config
         self._clock = clock
         self._on_change = on_change
+        self._rng = rng or random.Random()
         self._by_model: dict[str, _ModelState] = {}
 
     def _model(self, model: str) -> _ModelState:
@@ -245,7 +301,7 @@ class GradedDegradation(DegradationPolicy):
         now = self._clock()
         st.observed_at = now
         st.pressure = pressure(load, self.config, p95_ttft_s)
-        new = step_level(st.state, st.pressure.score, now, self.config)
+        new = step_level(st.state, st.pressure.score, now, self.config, is_predicted=st.pressure.is_predicted)
         old = st.state.level
         st.state = new
         if new.level == old:
@@ -274,11 +330,15 @@ class GradedDegradation(DegradationPolicy):
         level = st.state.level
         if level is DegradationLevel.NORMAL:
             return Plan(level)
-        score = st.pressure.score
-        if should_shed(level, priority, score, st.inflight_by_priority, self.config):
-            return Plan(level, shed=True, retry_after_s=self.config.retry_after_s)
+        p = st.pressure
+        score = p.score
+        if should_shed(level, priority, score, st.inflight_by_priority, self.config, p.predicted):
+            # NOTE(retry-jitter): the predicted excess wait (at least retry_after_s),
+            # spread x U(1, 1.5) + U(0, 1) s so a shed wave does not return as one burst
+            base = max(self.config.retry_after_s, p.excess_s[priority])
+            return Plan(level, shed=True, retry_after_s=base * self._rng.uniform(1.0, 1.5) + self._rng.uniform(0.0, 1.0))
         capped = None
-        if max_tokens is not None:
+        if max_tokens is not None and self._trims(p, priority):
             # NOTE(cap-load): the "load" of the cap formula is the model's load score
             # itself (1.0 = full), so at level 1 the cut is 60-80%: enough to drain
             # the in-flight tokens within seconds, and the 16-token floor keeps answers useful.
@@ -286,6 +346,14 @@ class GradedDegradation(DegradationPolicy):
             capped = cap if cap < max_tokens else None
         use_fallback = level >= DegradationLevel.FALLBACK and has_fallback and priority is not Priority.P0
         return Plan(level, max_tokens=capped, use_fallback=use_fallback)
+
+    def _trims(self, p: Pressure, priority: Priority) -> bool:
+        """Level 1+ caps max_tokens: never p0; p2 always; p1 once its own predicted ratio reaches ``slo_enter[0]``."""
+        if priority is Priority.P0:
+            return False
+        if priority is Priority.P1 and p.predicted is not None:
+            return p.predicted[Priority.P1] >= self.config.slo_enter[0]
+        return True
 
     def add_request(self, model: str, priority: Priority) -> None:
         self._model(model).inflight_by_priority[priority] += 1
@@ -300,7 +368,8 @@ def make_degradation(
     *,
     clock: Callable[[], float] = time.monotonic,
     on_change: Callable[[LevelChange], None] | None = None,
+    rng: random.Random | None = None,
 ) -> DegradationPolicy:
     if config.policy is DegradationPolicyName.OFF:
         return NoDegradation()
-    return GradedDegradation(config, clock=clock, on_change=on_change)
+    return GradedDegradation(config, clock=clock, on_change=on_change, rng=rng)

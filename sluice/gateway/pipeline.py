@@ -135,7 +135,7 @@ class Gateway:
         self.client = client or UpstreamClient(config.timeouts)
         self.outcome_hooks: list[Callable[[Outcome], None]] = []
         self.degradation: DegradationPolicy = make_degradation(
-            config.degradation, clock=clock, on_change=self._level_changed
+            config.degradation, clock=clock, on_change=self._level_changed, rng=rng
         )
         self.rollout = RolloutManager(config.rollout, self.pool, clock=clock, on_event=self._rollout_event)
         self.ops_metrics = self.metrics.watch_operations(self.degradation)
@@ -302,6 +302,11 @@ class Gateway:
                 last, failed = e, replica
                 replica.finish_request(tokens)
                 self._attempt_failed(replica, e, self.clock() - t_sent)
+                # NOTE(no-429-retry): a 429 is the replica's admission saying "not within
+                # target, come back after Retry-After"; retrying it elsewhere at once turns a
+                # shed wave into a second one.  It goes back to the client as it is.
+                if e.status == 429:
+                    break
                 if attempt < self.config.retry.max_attempts and self.retry_budget.try_spend():
                     self.metrics.retries.labels(model, replica.url).inc()
                     continue

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from sluice.errors import ModelNotFoundError
 from sluice.gateway.config import GatewayConfig, ReplicaConfig
+from sluice.gateway.prom import ReplicaLoad
 from sluice.gateway.replica import Replica
 
 __all__ = ["Version", "ModelLoad", "ReplicaPool"]
@@ -45,6 +46,9 @@ class ModelLoad:
     num_inflight: int  # counted by the gateway
     inflight_tokens: int  # counted by the gateway
     p95_ttft_s: float | None  # gateway-measured time to first byte, last minute
+    # per class p0..p2, from the routable replica with the lowest ratio (where a new request would go):
+    # (predicted TTFT, target) seconds; None when no routable replica exports the predicted-wait signal
+    slo_by_priority: tuple[tuple[float, float], ...] | None = None
 
 
 class ReplicaPool:
@@ -157,4 +161,17 @@ class ReplicaPool:
             num_inflight=sum(r.num_inflight for r in reps),
             inflight_tokens=sum(r.inflight_tokens for r in reps),
             p95_ttft_s=self.p95_ttft(model),
+            slo_by_priority=_best_slo([r.load for r in reps if r.is_routable()]),
         )
+
+
+def _best_slo(loads: list[ReplicaLoad]) -> tuple[tuple[float, float], ...] | None:
+    """Per class, the (predicted TTFT, target) of the replica with the lowest predicted / target ratio."""
+    signals = [(ld.predicted_ttft, ld.ttft_target) for ld in loads if ld.predicted_ttft and ld.ttft_target]
+    if not signals:
+        return None
+    out = []
+    for c in range(3):
+        pairs = [(pred[c], tgt[c]) for pred, tgt in signals if tgt[c] > 0]
+        out.append(min(pairs, key=lambda pt: pt[0] / pt[1]) if pairs else (0.0, 0.0))
+    return tuple(out)

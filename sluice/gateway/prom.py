@@ -23,6 +23,9 @@ class ReplicaLoad:
     kv_cache_usage: float | None = None  # 0..1
     cpu_utilization: float | None = None  # host CPU, 0..1
     memory_used: float | None = None  # host memory, 0..1
+    # the predicted-wait signal (sluice replicas): per class p0, p1, p2; None when not exported
+    predicted_ttft: tuple[float, float, float] | None = None  # seconds, a new request's predicted TTFT
+    ttft_target: tuple[float, float, float] | None = None  # seconds, its class's target (0: none)
 
 
 # series name (as the parser reports it, without _total) -> ReplicaLoad field
@@ -38,6 +41,12 @@ _FIELDS: dict[str, str] = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
 }
 _RATIOS = {"kv_cache_usage", "cpu_utilization", "memory_used"}
+# per-class series (label ``priority`` = p0 / p1 / p2) -> ReplicaLoad field
+_BY_CLASS: dict[str, str] = {
+    "sluice_predicted_ttft_seconds": "predicted_ttft",
+    "sluice_slo_ttft_target_seconds": "ttft_target",
+}
+_CLASSES = ("p0", "p1", "p2")
 
 
 def parse_replica_load(text: str) -> ReplicaLoad:
@@ -45,15 +54,23 @@ def parse_replica_load(text: str) -> ReplicaLoad:
     (counts) or averaged (ratios).  Raises ``ValueError`` on malformed text."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    by_class: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            per_class = _BY_CLASS.get(sample.name)
+            label = sample.labels.get("priority")
+            if per_class is not None and label in _CLASSES and sample.value == sample.value:
+                by_class.setdefault(per_class, [0.0, 0.0, 0.0])[_CLASSES.index(label)] = max(0.0, float(sample.value))
+                continue
             field = _FIELDS.get(sample.name)
             if field is None or sample.value != sample.value:  # NaN
                 continue
             sums[field] = sums.get(field, 0.0) + float(sample.value)
             counts[field] = counts.get(field, 0) + 1
-    values: dict[str, float] = {}
+    values: dict[str, object] = {}
     for field, total in sums.items():
         v = total / counts[field] if field in _RATIOS else total
         values[field] = min(1.0, max(0.0, v)) if field in _RATIOS else max(0.0, v)
-    return ReplicaLoad(**values)
+    for field, per in by_class.items():
+        values[field] = (per[0], per[1], per[2])
+    return ReplicaLoad(**values)  # type: ignore[arg-type]
