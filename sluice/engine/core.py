@@ -32,6 +32,9 @@ __all__ = ["EngineCore"]
 
 log = logging.getLogger("sluice.engine")
 
+STEP_SHARE = 1.0 / 3.0  # share of the tightest recent TTFT target one step may take (NOTE(step-cap))
+MIN_STEP_TOKENS = 32  # ... but a step may always batch this many tokens
+
 
 class EngineCore:
     def __init__(
@@ -62,6 +65,7 @@ class EngineCore:
         self._num_steps = 0
         self._last_step_time = 0.0
         self._last_batched = 0
+        self._last_budget = config.max_num_batched_tokens
         self.step_model = StepTimeModel()
         self._last_step: tuple[int, float, float] | None = None  # (tokens, start, end) of the previous busy step
         self.model_info = ModelInfo(
@@ -104,12 +108,13 @@ class EngineCore:
         t0 = time.monotonic()
         outputs = self.scheduler.finish_requests(self._pending_aborts, RequestStatus.FINISHED_ABORTED)
         self._pending_aborts.clear()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._token_budget())
         if not sched.is_empty:
             tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
+            self._last_budget = sched.token_budget
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, t0, t1)
@@ -117,6 +122,24 @@ class EngineCore:
             if out.finished:
                 self.generators.pop(out.request_id, None)
         return outputs
+
+    def _token_budget(self) -> int | None:
+        """The step's token budget: ``max_num_batched_tokens``, or less while tight TTFT targets are about.
+
+        NOTE(step-cap): a request arriving mid-step waits for that step to end,
+        then for its own prefill step, so its TTFT is up to two step times.
+        While requests with a TTFT target have come in recently, a step is
+        bounded to ``STEP_SHARE`` of the tightest target (by the measured step
+        time), never under ``MIN_STEP_TOKENS``: a P0 arriving into a full 512-
+        token step on a CPU would otherwise wait most of a second for it.
+        Throughput pays a little (the per-step fixed cost comes more often).
+        """
+        target = self.scheduler.tightest_ttft_target()
+        model = self.step_model
+        if target is None or model.per_token <= 0.0:
+            return None
+        tokens = (STEP_SHARE * target - model.base) / model.per_token
+        return max(MIN_STEP_TOKENS, int(tokens))
 
     def _observe_step(self, num_tokens: int, start: float, end: float) -> None:
         """Feed the step-time model one step late, so back-to-back steps include the loop's own overhead.
@@ -178,7 +201,7 @@ class EngineCore:
             num_prefill_tokens_by_priority=prefill_tokens,
             step_time_base=self.step_model.base,
             step_time_per_token=self.step_model.per_token,
-            max_num_batched_tokens=sch.max_num_batched_tokens,
+            max_num_batched_tokens=self._last_budget,
             max_num_seqs=sch.max_num_seqs,
         )
 

@@ -52,6 +52,7 @@ from sluice.types import Priority
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION"]
 
 BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request's class goes first
+TARGET_MEMORY_S = 10.0  # how long a TTFT target seen keeps bounding the step time (EngineCore)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    token_budget: int = 0  # this step's budget (max_num_batched_tokens, or less to bound the step's time)
     prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     @property
@@ -111,10 +113,13 @@ class Scheduler:
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._recent_targets: deque[tuple[float, float]] = deque(maxlen=4096)  # (added at, ttft_target)
 
     # ------------------------------------------------------------ lifecycle
 
     def add_request(self, req: Request) -> None:
+        if req.ttft_target > 0.0:
+            self._recent_targets.append((self.clock(), req.ttft_target))
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -200,8 +205,18 @@ class Scheduler:
             return False
         return now - req.timings.arrival > BEHIND_FRACTION * req.ttft_target
 
-    def schedule(self) -> SchedulerOutput:
-        step = _Step(SchedulerOutput(), self.max_num_batched_tokens, {}, self.clock())
+    def tightest_ttft_target(self) -> float | None:
+        """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds."""
+        horizon = self.clock() - TARGET_MEMORY_S
+        recent = self._recent_targets
+        while recent and recent[0][0] < horizon:
+            recent.popleft()
+        return min((t for _, t in recent), default=None)
+
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``)."""
+        budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
+        step = _Step(SchedulerOutput(), budget, {}, self.clock())
         self.running.sort(key=self._order_key)
         # 1: running decodes, most urgent first, one token each
         for req in [r for r in self.running if r.is_prefill_done]:
@@ -212,7 +227,8 @@ class Scheduler:
         # 2: prefill chunks, class by class as the queue policy picks them
         self._schedule_prefills(step)
         out = step.out
-        out.num_batched_tokens = self.max_num_batched_tokens - step.budget
+        out.num_batched_tokens = budget - step.budget
+        out.token_budget = budget
         for s in out.scheduled:
             if s.request.timings.first_scheduled is None:
                 s.request.timings.first_scheduled = step.now

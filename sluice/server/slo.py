@@ -6,11 +6,12 @@ Targets (``--slo p0=0.5s,p1=2s,p2=5s``, or ``slo:`` in the config file)::
     SloTargets.parse("p0=300ms")          # units: s, ms; a bare number is seconds
 
 NOTE(auto-slo): a class given no target gets ``max(floor, multiple x the
-request's unloaded TTFT)``, floors 0.5 / 2 / 5 s and multiples 4 / 10 / 25 for
+request's unloaded TTFT)``, floors 0.1 / 2 / 5 s and multiples 4 / 10 / 25 for
 P0 / P1 / P2, the unloaded TTFT coming from the engine's measured step time.
-A user who configures nothing is protected (P0 is never asked to beat four
-times what an idle engine does for that very prompt), and a long prompt on a
-slow machine is not rejected for a target no idle engine could meet.
+A user who configures nothing gets P0 held to four times what an idle engine
+does for that very prompt (the engine bounds its step time to match, see
+``EngineCore``'s NOTE(step-cap)), and a long prompt on a slow machine is not
+rejected for a target no idle engine could meet.
 
 The prediction (``predict_ttft``) is a model of the scheduler
 (``sluice.engine.scheduler``) fed with the engine's measured step time
@@ -42,7 +43,7 @@ from sluice.types import PRIORITY_WEIGHTS, Priority
 
 __all__ = ["SloTargets", "EngineLoad", "predict_ttft", "unloaded_ttft", "AUTO_FLOORS", "AUTO_MULTIPLES"]
 
-AUTO_FLOORS = (0.5, 2.0, 5.0)  # seconds, P0 / P1 / P2
+AUTO_FLOORS = (0.1, 2.0, 5.0)  # seconds, P0 / P1 / P2
 AUTO_MULTIPLES = (4.0, 10.0, 25.0)  # x the request's unloaded TTFT
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
 

@@ -15,6 +15,7 @@ from sluice.engine.core import EngineCore
 from sluice.engine.protocol import EngineRequest, SamplingParams
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
+from sluice.engine.step_model import StepTimeModel
 from sluice.types import Priority
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -168,6 +169,19 @@ def test_preempted_request_resumes_and_finishes() -> None:
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
+def test_step_budget_can_be_bounded_and_tight_targets_are_remembered_for_a_while() -> None:
+    clock = FakeClock(100.0)
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=8, clock=clock)
+    sched.add_request(make_request("p1", Priority.P1, num_tokens=50, ttft_target=2.0))
+    sched.add_request(make_request("p0", Priority.P0, num_tokens=50, ttft_target=0.3))
+    assert sched.tightest_ttft_target() == 0.3
+    out = sched.schedule(token_budget=20)
+    assert out.num_batched_tokens == 20 and out.token_budget == 20, "the step must stay within the bounded budget"
+    assert sched.schedule(token_budget=1000).token_budget == 64, "never over max_num_batched_tokens"
+    clock.now += 11.0
+    assert sched.tightest_ttft_target() is None, "a target seen long ago no longer bounds the step"
+
+
 def _engine(model: Path, **kw: object) -> EngineCore:
     args: dict[str, object] = {"model": str(model), "dtype": "float32", "kv_cache_memory": 8 << 20}
     args.update(kw)
@@ -207,3 +221,26 @@ def test_p2_preempted_by_p0_finishes_with_output_identical_to_an_unconstrained_r
         for o in tight.step():
             got[o.request_id].extend(o.new_token_ids)
     assert got == expected, "a preempted (recomputed) P2 must produce exactly the tokens of an unconstrained run"
+
+
+def test_step_time_model_recovers_base_and_per_token_cost() -> None:
+    m = StepTimeModel()
+    for n in (8, 64, 200, 512, 30, 128) * 5:
+        m.observe(n, 0.02 + 0.001 * n)
+    assert m.base == pytest.approx(0.02, rel=1e-6) and m.per_token == pytest.approx(0.001, rel=1e-6)
+    flat = StepTimeModel()
+    for _ in range(10):
+        flat.observe(100, 0.12)
+    assert flat.base == 0.0 and flat.predict(100) == pytest.approx(0.12), "one size: all of it per token"
+
+
+def test_engine_bounds_its_steps_while_tight_targets_are_about(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, max_num_batched_tokens=512)
+    for n in (16, 256) * 4:
+        engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token
+    assert engine._token_budget() is None, "no target seen: the full budget"
+    engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 400)), sampling=GREEDY,
+                                     priority=0, ttft_target=0.33))  # fmt: skip
+    assert engine._token_budget() == 100, "a step may take a third of 0.33 s: (0.11 - 0.01) / 0.001 tokens"
+    engine.step()
+    assert engine.make_stats().max_num_batched_tokens == 100, "the stats report the bounded budget"
