@@ -1,0 +1,42 @@
+"""The C++ extensions: built at install time; the JIT build is a working, cached fallback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sluice.kernels import ext
+
+
+def test_install_time_builds_are_the_ones_loaded() -> None:
+    status = ext.status()
+    assert set(status) == {"attention", "quant"}
+    for name, info in status.items():
+        assert info["how"] in ("prebuilt", "jit"), f"{name}: {info}"
+    if any(info["how"] != "prebuilt" for info in status.values()):
+        pytest.skip(f"not installed with its extensions (make install builds them): {status}")
+
+
+@pytest.mark.slow
+def test_jit_fallback_builds_once_and_runs() -> None:
+    # NOTE(jit-cache): the default cache directory is shared by every venv on the
+    # machine, so this compiles at most once per machine and source version.
+    code = (
+        "import json, torch; from sluice.kernels import ext; m = ext.load('attention');"
+        "print(json.dumps(ext.status()['attention']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "SLUICE_KERNELS_JIT": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["how"] == "jit" and "kernels" in info["path"], info
+
+
+def test_unknown_extension_is_a_clear_error() -> None:
+    with pytest.raises(ext.KernelUnavailableError, match="unknown kernel extension"):
+        ext.load("nope")

@@ -1,0 +1,92 @@
+"""Linear: quantized, invariant-float and BLAS parts behind one interface; the C++ op and the Python
+path agree; the manifest rebuilds a module from cached tensors; kernel plans come from measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sluice.kernels import autotune
+from sluice.kernels import qlinear as ql
+from sluice.kernels.linear import Linear, make_linear, pack_fp32, unpack_fp32
+from tests.kernels.test_qgemm import rand_qweight
+
+
+def test_compatible_quantized_parts_are_packed_as_one_matrix() -> None:
+    q, k, v = (rand_qweight(n, 64, 4, 32, seed=i) for i, n in enumerate((64, 32, 32)))
+    lin = make_linear([q, k, v])
+    assert [kind for kind, _, _ in lin.parts] == ["quant"], "one packed matrix, one kernel call"
+    x = torch.randn(3, 64)
+    ref = torch.cat([make_linear([p])(x) for p in (q, k, v)], dim=1)
+    assert torch.equal(lin(x), ref), "stacking rows must not change any output"
+
+
+def test_mixed_parts_write_their_own_columns() -> None:
+    q = rand_qweight(48, 64, 4, 32)
+    v8 = rand_qweight(16, 64, 8, 32, z=128, with_min=False, seed=5)  # a different form: its own part
+    f = torch.randn(32, 64)
+    lin = make_linear([q, v8, f], bias=torch.randn(96), invariant=True)
+    assert [kind for kind, _, _ in lin.parts] == ["quant", "quant", "fp32"]
+    lin.prepare()
+    assert lin.op is not None
+    x = torch.randn(5, 64)
+    y = lin(x)
+    expect = x.double() @ torch.cat([q.dequantize(), v8.dequantize(), f]).double().T + lin.bias.double()
+    assert ((y.double() - expect).abs().max() / expect.abs().max()) < 2e-2, "int8 activations: ~1% error at most"
+    op, lin.op = lin.op, None  # the Python path (no C++ op): the same quantized columns, bit for bit
+    py = lin(x)
+    assert torch.equal(py[:, :64], y[:, :64])
+    assert torch.allclose(py[:, 64:], y[:, 64:], rtol=1e-5, atol=1e-5), "float columns: BLAS instead of the fixed-order kernel"
+    lin.op = op
+    resid = torch.randn(5, 96)
+    expect_r = resid + y
+    assert torch.equal(lin(x, residual=resid), expect_r) and lin(x, residual=resid) is resid
+
+
+def test_fp32_parts_are_exact_float_and_batch_invariant() -> None:
+    w = torch.randn(40, 96)
+    assert torch.equal(unpack_fp32(pack_fp32(w), 40), w)
+    lin = make_linear([w], invariant=True)
+    lin.prepare()
+    rows = torch.randn(9, 96)
+    full = lin(rows)
+    assert torch.allclose(full, rows @ w.T, rtol=1e-5, atol=1e-5)
+    for i in range(9):
+        assert torch.equal(lin(rows[i : i + 1])[0], full[i]), "a row alone gives the same bits as in a batch"
+
+
+def test_manifest_rebuilds_the_module_from_its_state_dict() -> None:
+    lin = make_linear([rand_qweight(32, 64, 4, 32), torch.randn(16, 64)], bias=torch.randn(48), invariant=True)
+    manifest = json.loads(json.dumps(lin.manifest()))  # survives JSON, as in the cache
+    rebuilt = Linear.from_manifest(64, 48, manifest, torch.float32)
+    rebuilt.load_state_dict(lin.state_dict(), strict=True, assign=True)
+    rebuilt.prepare()
+    lin.prepare()
+    x = torch.randn(4, 64)
+    assert torch.equal(rebuilt(x), lin(x))
+
+
+def test_plan_measures_each_shape_once_and_caches_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SLUICE_KERNEL_PATH", raising=False)
+    model = torch.nn.ModuleList([make_linear([rand_qweight(32, 64, 4, 32)]), make_linear([rand_qweight(32, 64, 4, 32, seed=1)])])
+    label = autotune.plan_kernels(model)
+    doc = json.loads((tmp_path / "autotune-v1.json").read_text())
+    (entry,) = doc.values()
+    assert list(entry) == ["32,64,0"], "one measurement per distinct shape"
+    assert all(p in {p.label for p in ql.available_paths()} for p in entry["32,64,0"])
+    assert set(label.split("+")) <= {p.label for p in ql.available_paths()}
+    assert all(isinstance(m, Linear) and m.op is not None for m in model)
+    calls = []
+    monkeypatch.setattr(autotune, "measure_shape", lambda *a: calls.append(a) or [])
+    autotune.plan_kernels(model)
+    assert not calls, "a second start reads the cache instead of measuring"
+
+
+def test_forcing_a_path_the_cpu_lacks_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model = torch.nn.ModuleList([make_linear([rand_qweight(16, 32, 4, 32)])])
+    monkeypatch.setenv("SLUICE_KERNEL_PATH", "sse9")
+    with pytest.raises(ValueError, match="SLUICE_KERNEL_PATH"):
+        autotune.plan_kernels(model)
