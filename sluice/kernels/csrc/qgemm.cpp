@@ -392,29 +392,53 @@ bool path_supported(int path) {
   }
 }
 
+// Write R x 16 results of one tile to out (+ bias, + residual): the same
+// float operations whatever the path; plain copies when there is nothing to add.
+static inline void store_tile(const float* res, int r, int64_t m0, int64_t tile, int64_t N, float* out, int64_t ldo,
+                              int64_t col0, const float* bias, const float* resid, int64_t ldr) {
+  const int64_t n0 = tile * kTile;
+  const int64_t nn = std::min<int64_t>(kTile, N - n0);
+  for (int i = 0; i < r; ++i) {
+    const int64_t m = m0 + i;
+    float* orow = out + m * ldo + col0 + n0;
+    const float* src = res + i * kTile;
+    if (!bias && !resid) {
+      std::memcpy(orow, src, nn * sizeof(float));
+      continue;
+    }
+    const float* rrow = resid ? resid + m * ldr + col0 + n0 : nullptr;
+    for (int64_t l = 0; l < nn; ++l) {
+      float y = src[l];
+      if (bias) y = y + bias[n0 + l];
+      if (rrow) y = rrow[l] + y;
+      orow[l] = y;
+    }
+  }
+}
+
 void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
               const float* resid, int64_t ldr, int path) {
   const TileFn fns[4] = {pick(path, 1), pick(path, 2), pick(path, 3), pick(path, 4)};
   // NOTE(parallel): tiles of output channels are split across threads; the K
   // reduction of one element is never split, so the thread count cannot change it.
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * M));
+  // NOTE(m-blocking): rows are taken 64 at a time so their quantized activations
+  // stay in L1/L2 while a thread sweeps its tiles (weights stream once per block).
+  constexpr int64_t kRowBlock = 64, kTileGroup = 8;
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * std::min<int64_t>(M, kRowBlock)));
   at::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float res[4 * kTile];
-    for (int64_t tile = t0; tile < t1; ++tile) {
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int r = (int)std::min<int64_t>(4, M - m0);
-        fns[r - 1](a, m0, w, tile, res);
-        for (int i = 0; i < r; ++i) {
-          const int64_t m = m0 + i;
-          float* orow = out + m * ldo + col0;
-          const float* rrow = resid ? resid + m * ldr + col0 : nullptr;
-          for (int l = 0; l < kTile; ++l) {
-            const int64_t n = tile * kTile + l;
-            if (n >= w.N) break;
-            float y = res[i * kTile + l];
-            if (bias) y = y + bias[n];
-            if (rrow) y = rrow[n] + y;
-            orow[n] = y;
+    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+      const int64_t me = std::min<int64_t>(M, mb + kRowBlock);
+      // NOTE(tile-groups): a row's outputs for 8 consecutive tiles are written together
+      // (512 contiguous bytes), so a wide output (an LM head: 49152 columns) does not
+      // touch a new page for every 64 bytes it writes.
+      for (int64_t tg = t0; tg < t1; tg += kTileGroup) {
+        const int64_t te = std::min<int64_t>(t1, tg + kTileGroup);
+        for (int64_t m0 = mb; m0 < me; m0 += 4) {
+          const int r = (int)std::min<int64_t>(4, me - m0);
+          for (int64_t tile = tg; tile < te; ++tile) {
+            fns[r - 1](a, m0, w, tile, res);
+            store_tile(res, r, m0, tile, w.N, out, ldo, col0, bias, resid, ldr);
           }
         }
       }
@@ -495,19 +519,7 @@ void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, 
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int r = (int)std::min<int64_t>(4, M - m0);
         table[isa][r - 1](x, ldx, m0, wt, K, res);
-        for (int i = 0; i < r; ++i) {
-          const int64_t m = m0 + i;
-          float* orow = out + m * ldo + col0;
-          const float* rrow = resid ? resid + m * ldr + col0 : nullptr;
-          for (int l = 0; l < kTile; ++l) {
-            const int64_t n = tile * kTile + l;
-            if (n >= N) break;
-            float y = res[i * kTile + l];
-            if (bias) y = y + bias[n];
-            if (rrow) y = rrow[n] + y;
-            orow[n] = y;
-          }
-        }
+        store_tile(res, r, m0, tile, N, out, ldo, col0, bias, resid, ldr);
       }
     }
   });
