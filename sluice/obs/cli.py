@@ -1,8 +1,13 @@
-"""``sluice doctor``: what sluice sees on this machine (registered by ``sluice.cli``).
+"""``sluice doctor`` and ``sluice profile`` (registered by ``sluice.cli``).
 
-Python version, CPU and NUMA topology, memory, GPUs, and what the probes that
-``sluice.cli`` passes in add (the engine's: torch and the attention backend it
-would choose, ``sluice.engine.doctor``).  ``--json`` prints one JSON document.
+``doctor``: Python version, CPU, NUMA nodes with their CPUs and memory, which
+node each GPU and NIC sits on and its PCIe link (``sluice.obs.topology``),
+memory, and what the probes that ``sluice.cli`` passes in add (the engine's:
+torch, GPUs as torch sees them, the attention backend and the kernel paths,
+``sluice.engine.doctor``); then warnings, each with its fix
+(``sluice.obs.advice``).  ``--json`` prints one JSON document.
+
+``profile``: ``sluice.obs.profile_cli``.
 """
 
 from __future__ import annotations
@@ -11,27 +16,36 @@ import json
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import typer
 
-__all__ = ["register", "doctor", "collect_report", "Probe"]
+__all__ = ["register", "doctor", "collect_report", "render", "Probe"]
 
-# A probe adds keys to the report (the engine's: torch, gpus, attention).
+# A probe adds keys to the report (the engine's: torch, gpus, attention, kernels).
 Probe = Callable[[], dict[str, Any]]
 
 
 def register(app: typer.Typer, probes: Sequence[Probe] = ()) -> None:
-    def doctor_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
-        """Show the machine as sluice sees it: versions, CPU/NUMA, memory, GPUs, attention backend."""
-        doctor(as_json, probes)
+    from sluice.obs import profile_cli
+
+    def doctor_command(
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+        sys_root: str = typer.Option("/sys", "--sys-root", hidden=True, help="sysfs root (tests)."),
+    ) -> None:
+        """Show the machine as sluice sees it (CPU, NUMA, GPUs, NICs, PCIe, kernels) and what to fix."""
+        doctor(as_json, probes, sys_root=sys_root)
 
     app.command("doctor")(doctor_command)
+    profile_cli.register(app)
 
 
-def collect_report(probes: Sequence[Probe] = ()) -> dict[str, Any]:
+def collect_report(probes: Sequence[Probe] = (), sys_root: str | Path = "/sys") -> dict[str, Any]:
     from sluice import __version__
     from sluice.obs import hardware
+    from sluice.obs.advice import advise
+    from sluice.obs.topology import read_topology
 
     report: dict[str, Any] = {
         "sluice": __version__,
@@ -41,41 +55,90 @@ def collect_report(probes: Sequence[Probe] = ()) -> dict[str, Any]:
         "gpus": [],
     }
     report["cpu"] = hardware.cpu_info()
-    report["numa"] = hardware.numa_nodes()
+    topo = read_topology(sys_root)
+    report["topology"] = topo.to_json()
+    report["numa"] = report["topology"]["nodes"]
     report["memory"] = hardware.memory_info()
     for probe in probes:
         report.update(probe())
+    _join_gpus(report)
+    report["warnings"] = [a.to_json() for a in advise(report)]
     return report
 
 
-def doctor(as_json: bool, probes: Sequence[Probe] = ()) -> None:
-    r = collect_report(probes)
+def _join_gpus(report: dict[str, Any]) -> None:
+    """Give each torch GPU its NUMA node and link, by PCI address."""
+    by_address = {g["address"]: g for g in report["topology"]["gpus"]}
+    for g in report["gpus"]:
+        pci = by_address.get(g.get("pci_address") or "")
+        if pci is not None:
+            g["numa_node"] = pci["numa_node"]
+            g["link"] = pci["link"]
+
+
+def doctor(as_json: bool, probes: Sequence[Probe] = (), sys_root: str | Path = "/sys") -> None:
+    r = collect_report(probes, sys_root)
     if as_json:
         print(json.dumps(r))
         return
-    cpu, mem, att = r["cpu"], r["memory"], r.get("attention")
+    sys.stdout.write(render(r))
+
+
+def _span(cpus: Sequence[int]) -> str:
+    from sluice.obs.topology import format_cpulist
+
+    return format_cpulist(cpus) or "-"
+
+
+def _node(n: int | None) -> str:
+    return "node ?" if n is None else f"node {n}"
+
+
+def render(r: dict[str, Any]) -> str:
+    """The report as aligned lines for a terminal."""
+    cpu, mem, att, topo = r["cpu"], r["memory"], r.get("attention"), r["topology"]
     lines = [
         f"sluice     {r['sluice']}  (Python {r['python']}, torch {r['torch'] or 'not installed'})",
         f"platform   {r['platform']}",
         f"cpu        {cpu['model']} ({cpu['arch']}): {cpu['physical_cores']} cores, "
-        f"{cpu['logical_cpus']} threads, {cpu['usable_cpus']} usable; SIMD: {', '.join(cpu['simd']) or 'none'}",
+        f"{cpu['logical_cpus']} threads, {cpu['usable_cpus']} usable ({_span(topo['allowed_cpus'])}); "
+        f"SIMD: {', '.join(cpu['simd']) or 'none'}",
     ]
     if r.get("torch_threads"):
         lines.append(f"torch      {r['torch_threads']} intra-op threads")
-    for n in r["numa"]:
-        cpus = n["cpus"]
-        span = f"{cpus[0]}-{cpus[-1]}" if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
-        lines.append(f"numa       node {n['node']}: cpus {span}, {n['memory_gib']} GiB")
-    if not r["numa"]:
-        lines.append("numa       no NUMA information (single node)")
+    for n in topo["nodes"]:
+        lines.append(f"numa       node {n['node']}: cpus {_span(n['cpus'])}, {n['memory_gib']} GiB")
     lines.append(f"memory     {mem['total_gib']} GiB total, {mem['available_gib']} GiB available")
-    if r["gpus"]:
-        for g in r["gpus"]:
-            lines.append(f"gpu        {g['device']}: {g['name']}, {g['memory_gib']} GiB, sm {g['capability']}")
-    else:
+    for g in topo["gpus"]:
+        link = g["link"]
+        state = "DEGRADED" if link["is_degraded"] else "ok"
+        lines.append(f"pci gpu    {g['address']} {g['name']}: {_node(g['numa_node'])}, PCIe gen{link['gen']} "
+                     f"x{link['width']} (max gen{link['max_gen']} x{link['max_width']}, {link['source']}) {state}")  # fmt: skip
+    for g in r["gpus"]:
+        where = f", {_node(g['numa_node'])}" if "numa_node" in g else ""
+        lines.append(f"gpu        {g['device']}: {g['name']}, {g['memory_gib']} GiB, sm {g['capability']}{where}")
+    if not r["gpus"] and not topo["gpus"]:
         lines.append("gpu        none (CPU serving)")
+    for n in topo["nics"]:
+        speed = f"{n['speed_mbps'] / 1000:g} Gb/s" if n["speed_mbps"] else "speed unknown"
+        lines.append(f"nic        {n['name']} ({n['address'] or 'not PCI'}): {_node(n['numa_node'])}, {speed}")
     if att is not None and att.get("error"):
         lines.append(f"attention  unavailable: {att['error']}")
     elif att is not None:
         lines.append(f"attention  {att['chosen']} on {att['device']} (available: {', '.join(att['available'])})")
-    sys.stdout.write("\n".join(lines) + "\n")
+    k = r.get("kernels")
+    if k is not None and k.get("error"):
+        lines.append(f"kernels    unavailable: {k['error']}")
+    elif k is not None:
+        exts = ", ".join(f"{name} {info.get('how')}" for name, info in k.get("extensions", {}).items())
+        lines.append(f"kernels    {exts or 'none'}; quantized GEMM paths: {', '.join(k.get('qlinear_paths', []))} "
+                     f"(would pick {k.get('would_pick')}; measured per shape at start-up)")  # fmt: skip
+    warnings = r.get("warnings", [])
+    if warnings:
+        lines.append("")
+        for w in warnings:
+            lines.append(f"warning    [{w['topic']}] {w['problem']}")
+            lines.append(f"   fix     {w['fix']}")
+    else:
+        lines.append("advice     nothing to fix")
+    return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -37,11 +37,14 @@ from sluice.engine.config import ModelInfo
 from sluice.engine.protocol import EngineStats
 from sluice.errors import PayloadTooLargeError, ServiceUnavailableError, SluiceError
 from sluice.http_errors import error_response, from_http_status, to_sluice_error
+from sluice.obs.placement import Placement
 from sluice.obs.tracing import Tracing, build_tracer_provider
 from sluice.server.admission import AdmissionController
 from sluice.server.codec import TextCodec, load_codec
 from sluice.server.config import ServerSettings
 from sluice.server.engine_client import EngineClient
+from sluice.server.engine_proc import default_engine_factory
+from sluice.server.engine_setup import EngineProcessSetup
 from sluice.server.generation import Generation
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.serving import OpenAIServing, RequestContext
@@ -134,6 +137,7 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
     on_ready: Callable[[ModelInfo], None] | None = None,
     on_engine_dead: Callable[[], None] | None = None,
+    placement: Placement | None = None,
 ) -> FastAPI:
     metrics = ServerMetrics(settings.model_name)
     tracing = Tracing(tracer_provider or build_tracer_provider(settings.otlp_endpoint))
@@ -160,8 +164,19 @@ def build_app(
         metrics.observe_stats(stats)
         admission.observe_stats(stats)
 
+    engine_config = settings.engine
+    if placement is not None or settings.pyroscope_server:
+        # the engine core process pins itself (and starts its profiler agent) before building the engine
+        engine_factory = EngineProcessSetup(
+            engine_factory or default_engine_factory,
+            cpus=placement.engine_cpus if placement else (),
+            numa_node=placement.engine_node if placement else None,
+            pyroscope_server=settings.pyroscope_server,
+        )
+        if placement is not None and engine_config.num_threads is None:
+            engine_config = replace(engine_config, num_threads=len(placement.engine_cpus))
     client = EngineClient(
-        settings.engine,
+        engine_config,
         engine_factory=engine_factory,
         on_dead=_dead,
         on_stats=_on_stats,

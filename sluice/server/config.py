@@ -65,6 +65,20 @@ class ServerSettings(BaseModel):
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")
     served_model_name: str | None = Field(None, description="Model name in the API (default: the model's).")
     log_level: str = Field("info", description=" | ".join(LOG_LEVELS) + ".")
+    # operations (docs/operations.md)
+    cpu_affinity: str | None = Field(None, description=(
+        "Cores of the engine core process: auto (the NUMA node of --device, or the cores this process was "
+        "given) or a cpu list such as 0-7; its memory comes from their node, and the API process moves to "
+        "the other cores when there are any. Default: off."))
+    profile_dir: str | None = Field(None, description=(
+        "Where POST /admin/profile keeps its archives (default: <tmp>/sluice-profiles)."))
+    profile_max_seconds: float = Field(60.0, ge=0, description=(
+        "Longest profile POST /admin/profile takes (0: the endpoint is off)."))
+    profile_keep: int = Field(10, ge=1, description="Profiles kept in --profile-dir (oldest removed first).")
+    profile_max_mib: int = Field(512, ge=1, description="Size cap of --profile-dir in MiB (oldest removed first).")
+    pyroscope_server: str | None = Field(None, description=(
+        "Send continuous profiles to this Pyroscope server (pip install 'sluice-llm[pyroscope]'); "
+        "default: off. An unreachable server never affects serving."))
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -72,6 +86,15 @@ class ServerSettings(BaseModel):
         # NOTE(env-keys): one key or a comma-separated list, as in SLUICE_API_KEY.
         if isinstance(v, str):
             return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _affinity(cls, v: str | None) -> str | None:
+        if v is not None:
+            from sluice.obs.placement import parse_affinity
+
+            parse_affinity(v)  # ConfigError (a ValueError) names the problem
         return v
 
     @field_validator("log_level")

@@ -22,12 +22,15 @@ from typing import Any
 import uvicorn
 
 from sluice.engine.config import ModelInfo
+from sluice.errors import ConfigError
 from sluice.obs.logging import configure_logging
+from sluice.obs.placement import Placement, apply_placement, plan_placement
+from sluice.obs.topology import read_topology
 from sluice.server.app import ServerState, build_app
 from sluice.server.codec import TextCodec
 from sluice.server.config import ServerSettings
 
-__all__ = ["run_server"]
+__all__ = ["run_server", "place_processes"]
 
 
 class _DrainingServer(uvicorn.Server):
@@ -59,6 +62,24 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def place_processes(settings: ServerSettings) -> Placement | None:
+    """``--cpu-affinity``: plan where the engine core goes and move this (the API) process."""
+    if not settings.cpu_affinity:
+        return None
+    placement = plan_placement(settings.cpu_affinity, read_topology(), settings.engine.device)
+    if placement.api_cpus:
+        apply_placement(placement.api_cpus)
+    return placement
+
+
+def _check_pyroscope(settings: ServerSettings) -> None:
+    import importlib.util
+
+    if settings.pyroscope_server and importlib.util.find_spec("pyroscope") is None:
+        raise ConfigError("--pyroscope-server needs the pyroscope-io package: pip install 'sluice-llm[pyroscope]'",
+                          setting="pyroscope_server")  # fmt: skip
+
+
 def run_server(
     settings: ServerSettings,
     *,
@@ -67,6 +88,14 @@ def run_server(
 ) -> None:
     t0 = time.monotonic()
     configure_logging(settings.log_level)
+    _check_pyroscope(settings)
+    placement = place_processes(settings)
+    if placement is not None:
+        print(f"sluice serve: {placement.describe()}", flush=True)
+    if settings.pyroscope_server:
+        from sluice.server.engine_setup import start_pyroscope
+
+        start_pyroscope(settings.pyroscope_server, "api")
     sock = _bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -80,7 +109,7 @@ def run_server(
         print(
             f"sluice serve: model {name} ({info.path}), dtype {info.dtype} on {info.device}, "
             f"{info.num_blocks} KV blocks x {info.block_size} tokens, max_model_len {info.max_model_len}, "
-            f"attention {info.attention_backend}",
+            f"attention {info.attention_backend}" + (f", kernels {info.kernel_path}" if info.kernel_path else ""),
             flush=True,
         )
         print(f"sluice serve: ready in {time.monotonic() - t0:.1f} s at {url}  (OpenAI base URL {url}/v1)", flush=True)
@@ -102,6 +131,7 @@ def run_server(
         codec_factory=codec_factory,
         on_ready=on_ready,
         on_engine_dead=on_engine_dead,
+        placement=placement,
     )
     state: ServerState = app.state.sluice
 

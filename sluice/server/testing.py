@@ -294,9 +294,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-delay", type=float, default=0.01)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--cpu-affinity", default=None)
+    p.add_argument("--api-key", action="append", default=[])
+    p.add_argument("--keys-file", default=None)
+    p.add_argument("--profile-dir", default=None)
     args = p.parse_args(argv)
     settings = load_settings(
-        model="fake", port=args.port, shutdown_timeout=args.shutdown_timeout, max_model_len=args.max_model_len
+        model="fake", port=args.port, shutdown_timeout=args.shutdown_timeout, max_model_len=args.max_model_len,
+        cpu_affinity=args.cpu_affinity, api_key=args.api_key, keys_file=args.keys_file, profile_dir=args.profile_dir,
     )
     run_server(
         settings,
