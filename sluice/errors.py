@@ -10,14 +10,16 @@ in one place (``sluice.http_errors.error_response``, using ``status_code`` /
      ├── NotFoundError              404  no such route
      │    └── ModelNotFoundError    404  unknown model name / path
      ├── MethodNotAllowedError      405  route exists, method does not
+     ├── ConflictError              409  the resource is busy (a profile is already running)
      ├── ConfigError                500  a bad setting (flag, SLUICE_* variable, config file);
      │                                   the CLI prints it as one line and exits 2
      ├── ModelLoadError             500  a model file exists but cannot be read (corrupt GGUF, ...)
      ├── AuthenticationError        401
      ├── RateLimitError             429  (carries retry_after seconds)
      ├── OverloadedError            429  admission control: queue full
-     └── ServiceUnavailableError    503  draining, engine dead, no healthy replica
-          └── EngineDeadError       503  the engine core process is gone
+     ├── ServiceUnavailableError    503  draining, engine dead, no healthy replica
+     │    └── EngineDeadError       503  the engine core process is gone
+     └── ProfilerUnavailableError   503  py-spy missing or not allowed to attach (ptrace); no retry helps
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "NotFoundError",
     "ModelNotFoundError",
     "MethodNotAllowedError",
+    "ConflictError",
     "ConfigError",
     "ModelLoadError",
     "AuthenticationError",
@@ -37,6 +40,7 @@ __all__ = [
     "OverloadedError",
     "ServiceUnavailableError",
     "EngineDeadError",
+    "ProfilerUnavailableError",
     "from_parts",
 ]
 
@@ -96,6 +100,11 @@ class MethodNotAllowedError(SluiceError):
     error_type = "invalid_request_error"
 
 
+class ConflictError(SluiceError):
+    status_code = 409
+    error_type = "conflict_error"
+
+
 class ConfigError(SluiceError, ValueError):
     """A bad setting.  ``setting`` is the field name (``max_num_seqs``) when one is
     to blame; the settings layer rewrites the message to name its flag."""
@@ -142,6 +151,11 @@ class EngineDeadError(ServiceUnavailableError):
     pass
 
 
+class ProfilerUnavailableError(SluiceError):
+    status_code = 503
+    error_type = "profiler_unavailable"
+
+
 def from_parts(
     error_type: str,
     message: str,
@@ -163,6 +177,7 @@ def from_parts(
         return retrying[error_type](message, retry_after=1.0 if retry_after is None else retry_after, code=code)
     plain: dict[str, type[SluiceError]] = {
         c.error_type: c
-        for c in (InvalidRequestError, NotFoundError, AuthenticationError, ModelLoadError, SluiceError)
+        for c in (InvalidRequestError, NotFoundError, AuthenticationError, ModelLoadError, ConflictError,
+                  ProfilerUnavailableError, SluiceError)
     }
     return plain.get(error_type, SluiceError)(message, param=param, code=code)
