@@ -171,7 +171,7 @@ class ProfileStore:
 
     def prune(self, keep_latest: Path | None = None) -> list[Path]:
         """Remove the oldest archives beyond ``keep`` or ``max_bytes`` (never ``keep_latest``)."""
-        removed = []
+        removed: list[Path] = []
         zips = self.archives()
         total = sum(p.stat().st_size for p in zips)
         for p in zips:
