@@ -39,7 +39,7 @@ from sluice.types import Priority
 
 __all__ = ["AdmissionController", "Decision"]
 
-_EWMA = 0.05  # weight of a new sample in the measured means
+_EWMA = 0.1  # weight of a new sample in the measured means
 
 
 @dataclass
@@ -89,7 +89,8 @@ class AdmissionController:
         self._seq = 0
         self._stats: EngineStats | None = None
         self._stats_at = float("-inf")
-        self.mean_output_tokens = 16.0  # measured: generated tokens per finished request
+        self.mean_output_tokens = 16.0  # measured: generated tokens per finished request (16: a guess)
+        self._num_finished = 0
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
 
     @property
@@ -107,6 +108,9 @@ class AdmissionController:
         self._stats_at = self._clock()
 
     def observe_output_tokens(self, num_generated: int) -> None:
+        if self._num_finished == 0:  # the first measurement replaces the guess
+            self.mean_output_tokens = float(num_generated)
+        self._num_finished += 1
         self.mean_output_tokens += _EWMA * (num_generated - self.mean_output_tokens)
 
     def load(self) -> EngineLoad:

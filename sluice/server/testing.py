@@ -5,7 +5,8 @@ runs in the real engine core process (spawned, over real ZMQ), so
 fault-injection tests (engine death, drain, hundreds of clients) exercise the
 real server without a model:
 
-- one token per running request per step, after ``step_delay`` seconds;
+- one token per running request per step, after ``step_delay`` seconds; a free
+  slot goes to the most urgent class waiting (no preemption);
 - greedy (temperature 0): letters ``a..z`` cycling from ``sum(prompt) % 26``;
   sampled: letters from ``random.Random(seed)`` (reproducible with a seed);
 - KV accounting like the real engine: ``ceil(tokens / 16)`` blocks per request;
@@ -113,6 +114,7 @@ class FakeEngineCore:
                     self._free(r)
                     outs.append(self._output(r, [], finish_reason=FinishReason.ABORT, now=now))
             self.to_abort.clear()
+        self.waiting.sort(key=lambda r: r.req.priority)  # a free slot goes to the most urgent class (stable)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]
             need = math.ceil((len(r.req.prompt_token_ids) + 1) / BLOCK_SIZE)

@@ -1,0 +1,92 @@
+"""The TTFT prediction against a real engine run (tiny random Llama, in-process, real time).
+
+Requests arrive in waves that queue up behind each other (4 slots, a 64-token
+budget); each one's TTFT is predicted at arrival from the engine's last stats,
+exactly as the API process does, and compared with the TTFT it then gets.
+
+Stated bound: for at least 80% of the requests, |measured - predicted| <=
+0.5 x measured + 3 step times (the prediction is made at step granularity, and
+the 2 shared cores make single steps jitter).  The median error is printed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import pytest
+
+from sluice.engine.core import EngineCore
+from sluice.engine.protocol import EngineRequest, SamplingParams
+from sluice.server.admission import AdmissionController
+from sluice.server.slo import SloTargets
+from sluice.types import Priority
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.model_factory import make_tiny_model_dir
+
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+
+
+def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir: str) -> None:
+    engine = EngineCore(model=tiny_model_dir, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4,
+                        max_num_batched_tokens=64)  # fmt: skip
+    admission = AdmissionController(10_000, 10**9, slo=SloTargets.parse("p0=1000s,p1=1000s,p2=1000s"), policy="wfq",
+                                    max_num_batched_tokens=64, max_num_seqs=4)  # fmt: skip
+    rng = random.Random(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def step() -> list[str]:
+        outs = engine.step()
+        admission.observe_stats(engine.make_stats())
+        firsts = []
+        for o in outs:
+            if o.new_token_ids and o.num_generated_tokens == 1:
+                firsts.append(o.request_id)
+            if o.finished:
+                admission.observe_output_tokens(o.num_generated_tokens)
+        return firsts
+
+    # warm-up: fit the step-time model on steps of many sizes
+    for i in range(12):
+        engine.add_request(EngineRequest(request_id=f"w{i}", prompt_token_ids=[7 + i] * rng.randint(4, 60), sampling=sp))
+    while engine.has_unfinished_requests():
+        step()
+    predicted: dict[str, float] = {}
+    sent: dict[str, float] = {}
+    measured: dict[str, float] = {}
+    n = 0
+    for _wave in range(4):
+        for _ in range(8):
+            rid, p = f"r{n}", Priority(rng.choice([0, 1, 1, 2, 2]))
+            prompt = [100 + n + j for j in range(rng.randint(8, 40))]
+            d = admission.admit(rid, p, len(prompt) + sp.max_tokens, len(prompt))
+            assert d.predicted_ttft is not None
+            predicted[rid], sent[rid] = d.predicted_ttft, time.monotonic()
+            engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sp, priority=int(p),
+                                             arrival_time=sent[rid], ttft_target=d.target or 0.0))  # fmt: skip
+            n += 1
+        for _ in range(6):  # the wave is still queued when the next one comes
+            for rid in step():
+                if rid in sent:
+                    measured[rid] = time.monotonic() - sent[rid]
+                    admission.remove(rid)
+    while engine.has_unfinished_requests():
+        for rid in step():
+            if rid in sent:
+                measured[rid] = time.monotonic() - sent[rid]
+                admission.remove(rid)
+    stats = engine.make_stats()
+    step_time = stats.step_time_base + stats.step_time_per_token * 64
+    errors = {rid: measured[rid] - predicted[rid] for rid in measured}
+    within = [rid for rid, e in errors.items() if abs(e) <= 0.5 * measured[rid] + 3 * step_time]
+    median_rel = statistics.median(abs(e) / measured[rid] for rid, e in errors.items())
+    print(f"a={stats.step_time_base * 1000:.2f} ms b={stats.step_time_per_token * 1e6:.0f} us; prediction error: median {median_rel:.0%} of the measured TTFT; {len(within)}/{len(errors)} within bound")
+    assert len(measured) == n, "every request must get its first token"
+    assert len(within) >= 0.8 * len(errors), (
+        f"only {len(within)}/{len(errors)} predictions within 50% + 3 steps ({step_time * 1000:.1f} ms each): "
+        + ", ".join(f"{rid} {predicted[rid]:.3f}/{measured[rid]:.3f}" for rid in sorted(errors, key=lambda r: int(r[1:])))
+    )
