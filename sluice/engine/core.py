@@ -174,11 +174,11 @@ class EngineCore:
         bm, sch = self.block_manager, self.scheduler
         running = [0, 0, 0]
         prefill_tokens = [0, 0, 0]
-        num_decoding = 0
+        decoding = [0, 0, 0]
         for r in sch.running:
             running[r.priority] += 1
             if r.is_prefill_done:
-                num_decoding += 1
+                decoding[r.priority] += 1
             else:
                 prefill_tokens[r.priority] += r.num_tokens - r.num_computed_tokens
         for r in sch.waiting:
@@ -197,7 +197,8 @@ class EngineCore:
             num_steps=self._num_steps,
             step_time=self._last_step_time,
             num_batched_tokens=self._last_batched,
-            num_decoding=num_decoding,
+            num_decoding=sum(decoding),
+            num_decoding_by_priority=decoding,
             num_prefill_tokens_by_priority=prefill_tokens,
             step_time_base=self.step_model.base,
             step_time_per_token=self.step_model.per_token,

@@ -195,6 +195,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time: float = 0.0  # seconds, last step
     num_batched_tokens: int = 0  # last step
     num_decoding: int = 0  # running requests past their prefill (one token a step each)
+    num_decoding_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     # tokens still to prefill (waiting requests, chunked prefills; a preempted request's recompute), by class
     num_prefill_tokens_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     step_time_base: float = 0.0  # seconds: fitted fixed cost of a step (a in a + b * batched tokens)

@@ -45,7 +45,9 @@ class ClassChoice:
     """``pick_class``'s answer: the class to serve next, and whether it is *urgent*.
 
     An urgent class may take the step's token budget from strictly lower
-    classes' decodes (``priority``: always; ``wfq``: when it is behind its target).
+    classes' decodes: under ``priority`` and ``wfq`` always (WFQ shares prefill
+    tokens among classes; it never lets a lower class's decodes starve a
+    higher class's prefill), under ``fcfs`` never.
     """
 
     __slots__ = ("priority", "is_urgent")
@@ -159,7 +161,7 @@ class WFQQueue(RequestQueue):
             for c in eligible:  # idle classes re-enter at the system virtual time
                 self.vtime[c] = tags[c]
             self.system_vtime = tags[best]
-        return ClassChoice(best, bool(late))
+        return ClassChoice(best, True)
 
     def charge(self, priority: int, num_tokens: int) -> None:
         self.vtime[priority] += num_tokens / self.weights[Priority(priority)]

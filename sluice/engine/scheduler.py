@@ -18,8 +18,8 @@ classes, lowest class and newest first:
 
     slots    a waiting request with every ``max_num_seqs`` slot taken preempts one
     blocks   a waiting request whose first chunk does not fit preempts until it does
-    budget   an urgent class (``priority``; ``wfq`` when behind target) facing an
-             exhausted budget un-schedules lower classes' decodes for this step
+    budget   a class facing an exhausted budget un-schedules lower classes'
+             decodes for this step (``priority`` and ``wfq``; not ``fcfs``)
 
 Preemption is by recompute: the victim's blocks are freed and it goes back to
 the front of its class's queue; it resumes later and produces the same tokens.

@@ -26,8 +26,8 @@ The prediction (``predict_ttft``) is a model of the scheduler
                     ones, the steps until enough of them finish (a running request
                     holds its slot for its output length, measured)
 
-plus half a step (it arrives while one is running).  Lower classes neither
-hold slots nor blocks against it (it preempts them).  Future arrivals are not
+plus half a step (it arrives while one is running).  Lower classes hold
+neither slots, blocks nor decode tokens against it (it takes them).  Future arrivals are not
 foreseen; the admission re-predicts at every arrival instead.
 """
 
@@ -102,6 +102,7 @@ class EngineLoad:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     num_decoding: int = 0
+    num_decoding_by_priority: list[int] | None = None  # None: unknown, all decodes count for every class
     num_running_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
     num_waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # requests that need a slot
     num_prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
@@ -117,6 +118,7 @@ class EngineLoad:
             max_num_batched_tokens=s.max_num_batched_tokens or max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs or max_num_seqs,
             num_decoding=s.num_decoding,
+            num_decoding_by_priority=list(s.num_decoding_by_priority) if sum(s.num_decoding_by_priority) else None,
             num_running_by_priority=list(s.num_running_by_priority),
             num_waiting_by_priority=list(s.num_waiting_by_priority),
             num_prefill_tokens_by_priority=list(s.num_prefill_tokens_by_priority),
@@ -167,7 +169,10 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
         return 0.0
     c = int(priority)
     own = float(load.num_prefill_tokens_by_priority[c] + num_prompt_tokens)
-    decodes = load.num_decoding
+    # NOTE(lower-decodes): a lower class's decodes give their step tokens to this
+    # class's prefill; only its own class's and higher ones' count against it
+    by_class = load.num_decoding_by_priority
+    decodes = load.num_decoding if by_class is None else sum(by_class[: c + 1])
     per_step = max(1.0, load.max_num_batched_tokens - decodes)
     served = _tokens_served_first(load, c, own)
     steps = max(1, math.ceil(served / per_step))
@@ -182,5 +187,5 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
         full_step = load.step_time(min(load.max_num_batched_tokens, load.max_num_seqs + per_step / 2))
         wait_steps = short * max(1.0, load.mean_output_tokens) / load.max_num_seqs
         slot_bound = wait_steps * full_step + unloaded_ttft(load, num_prompt_tokens + decodes)
-    current = load.step_time(min(load.max_num_batched_tokens, decodes + sum(load.num_prefill_tokens_by_priority)))
+    current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)))
     return max(prefill_bound, slot_bound) + 0.5 * current

@@ -170,6 +170,7 @@ class FakeEngineCore:
             num_free_blocks=self.num_free_blocks,
             num_steps=self.num_steps,
             num_decoding=len(self.running),
+            num_decoding_by_priority=run,
             num_prefill_tokens_by_priority=prefill,
             # NOTE(fake-rates): a step takes step_delay whatever its size, and a
             # whole prompt is one step: the rates the admission tests predict from

@@ -98,9 +98,10 @@ def test_p0_prefill_gets_its_chunk_when_p1_prefills_fill_the_budget(policy: str)
     assert sum(got.values()) == 64 and not out.preempted, "P1 keeps the rest of the budget and its blocks"
 
 
-def test_urgent_class_takes_the_budget_from_lower_class_decodes() -> None:
+@pytest.mark.parametrize("policy", ["wfq", "priority"])
+def test_higher_class_takes_the_budget_from_lower_class_decodes(policy: str) -> None:
     # 8 P2 decodes fill an 8-token budget; a P0 prefill takes those tokens for a step
-    sched = create_scheduler(max_num_batched_tokens=8, max_num_seqs=9, policy="priority")
+    sched = create_scheduler(max_num_batched_tokens=8, max_num_seqs=9, policy=policy)
     p2 = [make_request(f"p2-{i}", Priority.P2, num_tokens=1, arrival=10.0 + i) for i in range(8)]
     for r in p2:
         sched.add_request(r)

@@ -164,3 +164,14 @@ async def test_server_answers_429_at_once_when_the_predicted_wait_is_over_target
     assert 'sluice_admission_rejected_total{priority="p2",reason="slo_unattainable"} 1.0' in text
     assert 'sluice_predicted_ttft_seconds{priority="p0"}' in text and 'sluice_slo_ttft_target_seconds{priority="p2"} 1.0' in text
     assert 'sluice_slo_requests_total{priority="p2"} 1.0' in text and 'sluice_slo_attained_total{priority="p2"} 0.0' in text
+
+
+def test_lower_class_decodes_do_not_count_against_a_higher_class_prefill() -> None:
+    load = EngineLoad.from_stats(stats(max_num_batched_tokens=64, num_decoding=60, num_decoding_by_priority=[0, 0, 60],
+                                       num_running_by_priority=[0, 0, 60]),
+                                 policy="wfq", mean_output_tokens=16, max_num_batched_tokens=64, max_num_seqs=64)  # fmt: skip
+    half_current_step = 0.5 * (0.01 + 0.001 * 60)
+    # p0 takes the p2 decodes' tokens: its 40-token prompt is one step
+    assert predict_ttft(load, Priority.P0, 40) == pytest.approx(0.01 + 0.04 + half_current_step)
+    # p2 prefills beside its own 60 decodes: 4 tokens a step, 10 steps
+    assert predict_ttft(load, Priority.P2, 40) == pytest.approx(10 * 0.01 + 0.001 * (40 + 10 * 60) + half_current_step)
