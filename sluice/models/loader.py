@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,8 @@ _gguf_hf_name = gguf_hf_name
 #   ~/.cache/sluice/models-v3/<file digest>/<quantization variant>/{manifest.json, model.safetensors}
 # and later loads read those (memory-mapped) and never open the GGUF.  Written
 # to a temp dir and renamed, so a crash never leaves a half-written cache.
+
+log = logging.getLogger("sluice.models")
 
 LAYOUT_VERSION = 1  # bump when the packed layout or the manifest format changes
 
@@ -137,13 +140,13 @@ def load_model(
         model.set_ops(Ops.for_model(dtype, device))
         return model.eval()
 
-    if quantization == "auto" and source.kind == "hf":
-        from sluice.models.quant import detect_format
+    from sluice.models.quant import detect_format
 
-        if detect_format(source) == "float":
-            quantization = "none"  # a float checkpoint: auto serves it as it is
+    fmt = detect_format(source)  # 'gguf' | 'float' | 'awq' | 'gptq' | 'sluice'
+    if quantization == "auto" and fmt == "float":
+        quantization = "none"  # a float checkpoint: auto serves it as it is
     variant = _variant(quantization, quant_fallback, dtype)
-    use_cache = source.kind == "gguf" or quantization != "none"
+    use_cache = source.kind == "gguf" or quantization != "none" or fmt != "float"
     cached = _read_cached_model(source, variant) if use_cache else None
     if cached is not None:
         # sluice-native tensors: assign them, no copy, no conversion
@@ -159,7 +162,7 @@ def load_model(
             raise ModelLoadError(f"converted-weights cache {weights} does not match the model: {e}") from e
         return finish(model)
 
-    if quantization == "none":
+    if quantization == "none" and fmt in ("gguf", "float"):
         if source.kind == "gguf":
             reader = gguf_reader(source.path)
             raw_cfg = gguf_hf_config(reader, source.path)
@@ -168,8 +171,16 @@ def load_model(
             raw_cfg = load_model_config(source)
             sd = load_hf_state_dict(source.path)
         report: dict[str, Any] = {}
-    else:
+    else:  # quantized weights, or an AWQ/GPTQ/sluice checkpoint dequantized exactly ('none')
         raw_cfg, sd, report = _quantized_state_dict(source, quantization, quant_fallback)
+    if torch.device(device).type != "cpu":
+        # NOTE(cuda): sluice's quantized kernels are CPU kernels; on a GPU the same
+        # Linear interface holds the weights dequantized to the serving dtype.
+        from sluice.kernels.qweight import QuantWeight
+
+        if any(isinstance(v, QuantWeight) for v in sd.values()):
+            log.warning("quantized weights are dequantized to %s on %s (no quantized GPU kernels)", dtype, device)
+            sd = {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in sd.items()}
     model = build(raw_cfg, device)
     try:
         model.load_hf_state_dict(sd)
