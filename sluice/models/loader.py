@@ -173,14 +173,13 @@ def load_model(
         report: dict[str, Any] = {}
     else:  # quantized weights, or an AWQ/GPTQ/sluice checkpoint dequantized exactly ('none')
         raw_cfg, sd, report = _quantized_state_dict(source, quantization, quant_fallback)
-    if torch.device(device).type != "cpu":
-        # NOTE(cuda): sluice's quantized kernels are CPU kernels; on a GPU the same
-        # Linear interface holds the weights dequantized to the serving dtype.
-        from sluice.kernels.qweight import QuantWeight
+    from sluice.kernels.qweight import QuantWeight
 
-        if any(isinstance(v, QuantWeight) for v in sd.values()):
-            log.warning("quantized weights are dequantized to %s on %s (no quantized GPU kernels)", dtype, device)
-            sd = {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in sd.items()}
+    if any(isinstance(v, QuantWeight) for v in sd.values()) and not _quantized_kernels_run_on(device):
+        # NOTE(cuda): sluice's quantized kernels are CPU kernels; on a GPU (or without
+        # a C++ compiler) the same Linear interface holds the weights dequantized.
+        log.warning("quantized weights are dequantized to %s on %s (no quantized kernels there)", dtype, device)
+        sd = {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in sd.items()}
     model = build(raw_cfg, device)
     try:
         model.load_hf_state_dict(sd)
@@ -207,6 +206,21 @@ def _quantized_state_dict(
     except ValueError as e:  # a bad combination (e.g. --quantization gguf on a HF folder)
         raise ModelLoadError(str(e)) from e
     return load_model_config(source), sd, report
+
+
+def _quantized_kernels_run_on(device: str) -> bool:
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return False
+    from sluice.kernels import ext
+
+    try:
+        ext.load("quant")
+    except ext.KernelUnavailableError as e:
+        log.warning("%s", e)
+        return False
+    return True
 
 
 def _atomic_file_write(path: Path, text: str) -> None:
