@@ -36,7 +36,15 @@ from pathlib import Path
 from sluice.errors import ProfilerUnavailableError
 from sluice.obs.flamegraph import Stacks, parse_collapsed
 
-__all__ = ["Target", "SamplingResult", "PySpySampler", "ProfileStore", "find_py_spy", "PTRACE_FIX"]
+__all__ = [
+    "Target",
+    "SamplingResult",
+    "PySpySampler",
+    "ProfileStore",
+    "find_py_spy",
+    "allow_ptrace_by_descendants",
+    "PTRACE_FIX",
+]
 
 PTRACE_FIX = (
     "grant ptrace: docker run --cap-add SYS_PTRACE; Kubernetes securityContext.capabilities.add: [SYS_PTRACE]; "
@@ -65,6 +73,27 @@ def find_py_spy() -> str | None:
     if beside.exists():
         return str(beside)
     return shutil.which("py-spy")
+
+
+_PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama LSM
+
+
+def allow_ptrace_by_descendants(pid: int | None = None) -> bool:
+    """Let ``pid`` (default: this process) and its descendants ptrace this process.
+
+    NOTE(yama): with ``kernel.yama.ptrace_scope = 1`` (Ubuntu's default, and so
+    in most containers) a process may only trace its own descendants; py-spy is
+    a child of the API process, so the API process names itself and the engine
+    core names the API process.  Same user only, as always; False where Yama is
+    absent (nothing to allow) or prctl fails.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid or os.getpid()), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _children_cpu() -> float:

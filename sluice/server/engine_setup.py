@@ -28,7 +28,7 @@ from typing import Any
 from sluice.engine.config import EngineConfig
 from sluice.engine.protocol import EngineCoreProtocol, EngineOutput
 
-__all__ = ["EngineProcessSetup", "StepProfiler", "start_pyroscope", "MAX_TRACE_STEPS"]
+__all__ = ["EngineProcessSetup", "StepProfiler", "profile_control", "start_pyroscope", "MAX_TRACE_STEPS"]
 
 log = logging.getLogger("sluice.engine_core")
 
@@ -91,6 +91,25 @@ class EngineProcessSetup:
                 if owner is not None and callable(getattr(owner, name, None)):
                     setattr(owner, name, _tagged(getattr(owner, name), phase))
         return engine
+
+
+def profile_control(profiler: StepProfiler, command: str) -> dict[str, Any]:
+    """The engine side of ``POST /admin/profile`` (control messages ``profile_*``).
+
+    profile_attach   let py-spy (a child of the API process) read this process
+    profile_start    that, and torch.profiler on
+    profile_stop     torch.profiler off, Chrome trace written; its path
+    """
+    from sluice.errors import InvalidRequestError
+    from sluice.obs.profiling import allow_ptrace_by_descendants
+
+    if command in ("profile_attach", "profile_start"):
+        allowed = allow_ptrace_by_descendants(os.getppid())
+        result = profiler.start() if command == "profile_start" else {}
+        return {**result, "ptracer_set": allowed}
+    if command == "profile_stop":
+        return profiler.stop()
+    raise InvalidRequestError(f"unknown engine command {command!r}")
 
 
 class StepProfiler:
