@@ -16,7 +16,7 @@ comparable with the engine's).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -34,6 +34,8 @@ __all__ = [
     "EngineOutput",
     "EngineStats",
     "EngineCoreOutputs",
+    "EngineControl",
+    "EngineControlReply",
     "EngineError",
     "FinishReason",
     "EngineCoreProtocol",
@@ -208,6 +210,19 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     outputs: list[EngineOutput]
     stats: EngineStats | None = None
     timestamp: float = 0.0
+
+
+class EngineControl(msgspec.Struct, kw_only=True):
+    """An operator command for the engine core, run between two steps (admin routes)."""
+
+    id: int  # echoed in the reply
+    command: str  # 'profile_start', 'profile_stop', ... (``sluice.server.engine_proc._control``)
+
+
+class EngineControlReply(msgspec.Struct, kw_only=True):
+    id: int
+    result: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: EngineError | None = None
 
 
 class EngineCoreProtocol(Protocol):

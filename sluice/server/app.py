@@ -8,7 +8,7 @@ that waits for it.  Tests pass fakes through the same parameters
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (200 only when the engine is ready and the
-server is not draining), ``GET /metrics``.
+server is not draining), ``GET /metrics``; ``/admin/profile`` (``sluice.server.profiling``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from sluice.server.engine_client import EngineClient
 from sluice.server.engine_proc import default_engine_factory
 from sluice.server.engine_setup import EngineProcessSetup
 from sluice.server.generation import Generation
+from sluice.server.profiling import add_profile_routes
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.serving import OpenAIServing, RequestContext
 from sluice.server.sse import ClientGone, SSEResponse, wait_or_disconnect
@@ -276,6 +277,8 @@ def build_app(
     @app.get("/metrics")
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    add_profile_routes(app, state)  # /admin/profile
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -23,7 +23,13 @@ from typing import Any
 import zmq
 
 from sluice.engine.config import EngineConfig, ModelInfo
-from sluice.engine.protocol import EngineAbort, EngineOutput, EngineRequest, EngineStats
+from sluice.engine.protocol import (
+    EngineAbort,
+    EngineControl,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+)
 from sluice.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -96,6 +102,8 @@ class EngineClient:
         self.is_closing = False
         self.stats = EngineStats()
         self.start_error: str | None = None
+        self._controls: dict[int, asyncio.Future[dict[str, Any]]] = {}  # control id -> its reply
+        self._next_control = 0
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -168,6 +176,10 @@ class EngineClient:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.fail(err)
         self._streams.clear()
+        for fut in self._controls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._controls.clear()
         if self._on_dead is not None:
             self._on_dead()
 
@@ -191,6 +203,20 @@ class EngineClient:
         """Forget finished ids (no abort sent)."""
         for rid in request_ids:
             self._streams.pop(rid, None)
+
+    async def control(self, command: str, timeout: float = 600.0) -> dict[str, Any]:
+        """Run an operator command in the engine core (between two steps) and return its report."""
+        if self.is_dead:
+            raise EngineDeadError("the engine core process is not running", retry_after=1.0)
+        self._next_control += 1
+        cid = self._next_control
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._controls[cid] = fut
+        try:
+            self._send(encode(Kind.CONTROL, EngineControl(id=cid, command=command)))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._controls.pop(cid, None)
 
     @property
     def num_open_requests(self) -> int:
@@ -239,6 +265,14 @@ class EngineClient:
                 self.stats = batch.stats
                 if self._on_stats is not None:
                     self._on_stats(batch.stats)
+        elif kind == Kind.CONTROL_REPLY:
+            reply = dec.control_reply.decode(payload)
+            fut = self._controls.get(reply.id)
+            if fut is not None and not fut.done():
+                if reply.error is not None:
+                    fut.set_exception(reply.error.to_exception())
+                else:
+                    fut.set_result(reply.result)
         elif kind == Kind.READY:
             self.model_info = dec.ready.decode(payload)
             self.ready.set()

@@ -25,13 +25,16 @@ import zmq
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.protocol import (
+    EngineControl,
+    EngineControlReply,
     EngineCoreOutputs,
     EngineCoreProtocol,
     EngineError,
     EngineOutput,
     FinishReason,
 )
-from sluice.errors import ModelLoadError, SluiceError
+from sluice.errors import InvalidRequestError, ModelLoadError, SluiceError
+from sluice.server.engine_setup import StepProfiler, profile_control
 from sluice.server.ipc import Decoders, Kind, encode
 
 __all__ = ["run_engine_core", "default_engine_factory"]
@@ -80,6 +83,7 @@ def run_engine_core(
     push.send_multipart(encode(Kind.READY, engine.model_info))
 
     dec = Decoders()
+    profiler = StepProfiler()  # torch.profiler, off until POST /admin/profile
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     was_busy = False
@@ -100,10 +104,12 @@ def run_engine_core(
                         rejected.append(_rejection(req.request_id, e))
             elif kind == Kind.ABORT:
                 engine.abort(dec.abort.decode(payload).request_ids)
+            elif kind == Kind.CONTROL:
+                push.send_multipart(encode(Kind.CONTROL_REPLY, _control(engine, profiler, dec.control.decode(payload))))
         if os.getppid() != parent:
             break
         busy = engine.has_unfinished_requests()
-        outputs = engine.step() if busy else []
+        outputs = (profiler.step(engine) if profiler.is_active else engine.step()) if busy else []
         if busy or was_busy or rejected:
             push.send_multipart(
                 encode(
@@ -119,6 +125,16 @@ def run_engine_core(
     pull.close(linger=0)
     push.close()
     ctx.term()
+
+
+def _control(engine: EngineCoreProtocol, profiler: StepProfiler, msg: EngineControl) -> EngineControlReply:
+    try:
+        if msg.command.startswith("profile_"):
+            return EngineControlReply(id=msg.id, result=profile_control(profiler, msg.command))
+        raise InvalidRequestError(f"unknown engine command {msg.command!r}")
+    except Exception as e:  # noqa: BLE001 -- the admin route reports it; the engine keeps serving
+        err = e if isinstance(e, SluiceError) else SluiceError(f"{type(e).__name__}: {e}")
+        return EngineControlReply(id=msg.id, error=EngineError.from_exception(err))
 
 
 def _rejection(request_id: str, e: SluiceError) -> EngineOutput:

@@ -6,9 +6,11 @@ frames: a one-byte kind and a msgspec-msgpack payload::
 
     API -> engine   b"R"  list[EngineRequest]     add (n > 1 arrives as one batch)
                     b"A"  EngineAbort             abort
+                    b"C"  EngineControl           operator command (admin routes: profile, ...)
     engine -> API   b"O"  EngineCoreOutputs       one per engine step (+ stats)
                     b"Y"  ModelInfo               ready: the model is loaded
                     b"E"  EngineError             start-up failed (one readable line)
+                    b"K"  EngineControlReply      answer to one EngineControl
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from dataclasses import dataclass
 import msgspec
 
 from sluice.engine.config import ModelInfo
-from sluice.engine.protocol import EngineAbort, EngineCoreOutputs, EngineError, EngineRequest
+from sluice.engine.protocol import (
+    EngineAbort,
+    EngineControl,
+    EngineControlReply,
+    EngineCoreOutputs,
+    EngineError,
+    EngineRequest,
+)
 
 __all__ = ["IpcPaths", "Kind", "encode", "Decoders"]
 
@@ -32,6 +41,8 @@ class Kind:
     OUTPUTS = b"O"
     READY = b"Y"
     ERROR = b"E"
+    CONTROL = b"C"
+    CONTROL_REPLY = b"K"
 
 
 @dataclass(frozen=True)
@@ -69,3 +80,5 @@ class Decoders:
         self.outputs = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.ready = msgspec.msgpack.Decoder(ModelInfo)
         self.error = msgspec.msgpack.Decoder(EngineError)
+        self.control = msgspec.msgpack.Decoder(EngineControl)
+        self.control_reply = msgspec.msgpack.Decoder(EngineControlReply)

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,9 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import FileResponse, Response
 
+from sluice.auth import KeyStore
 from sluice.errors import (
+    AuthenticationError,
     ConflictError,
     InvalidRequestError,
     NotFoundError,
@@ -181,9 +183,17 @@ def _overhead(req: ProfileRequest, s: SamplingResult | None) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def add_profile_routes(app: FastAPI, state: ServerState) -> Profiler:
-    from sluice.server.admin import authenticate_admin
+def authenticate_admin(keys: KeyStore, headers: Mapping[str, str]) -> None:
+    """Open when no keys are configured (like the rest of the server); else an admin key."""
+    if not keys.enabled:
+        return
+    if not keys.has_admin:
+        raise AuthenticationError("admin endpoints are disabled: API keys are configured but no admin key")
+    if not keys.authenticate(headers.get("authorization")).is_admin:
+        raise AuthenticationError("this endpoint needs an admin key")
 
+
+def add_profile_routes(app: FastAPI, state: ServerState) -> Profiler:
     settings = state.settings
     profiler = Profiler(
         ProfileStore(Path(settings.profile_dir) if settings.profile_dir else default_profile_dir(),

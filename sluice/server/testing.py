@@ -301,10 +301,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", action="append", default=[])
     p.add_argument("--keys-file", default=None)
     p.add_argument("--profile-dir", default=None)
+    p.add_argument("--pyroscope-server", default=None)
     args = p.parse_args(argv)
     settings = load_settings(
         model="fake", port=args.port, shutdown_timeout=args.shutdown_timeout, max_model_len=args.max_model_len,
         cpu_affinity=args.cpu_affinity, api_key=args.api_key, keys_file=args.keys_file, profile_dir=args.profile_dir,
+        pyroscope_server=args.pyroscope_server,
     )
     run_server(
         settings,

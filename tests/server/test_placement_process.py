@@ -1,4 +1,4 @@
-"""``--cpu-affinity`` on real processes: the engine core and every thread it made
+"""``--cpu-affinity`` and ``--pyroscope-server`` on real processes: the engine core and every thread it made
 run on the given cores with its memory preferred on their node; the API process
 moved off them (read back with ``os.sched_getaffinity`` and ``/proc``)."""
 
@@ -46,3 +46,30 @@ def test_without_the_flag_nothing_is_pinned(spawn) -> None:  # noqa: F811
     mine = os.sched_getaffinity(0)
     assert os.sched_getaffinity(api.pid) == mine
     assert os.sched_getaffinity(_engine_core(api).pid) == mine
+
+
+def test_pyroscope_agent_in_both_processes_and_an_unreachable_server_does_not_matter(spawn) -> None:  # noqa: F811
+    pytest.importorskip("pyroscope")
+    import httpx
+
+    proc, url = spawn("--pyroscope-server", "http://127.0.0.1:1")  # nothing listens there
+    for _ in range(5):
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 8}, timeout=10)
+        assert r.status_code == 200, "serving must not depend on the Pyroscope server"
+    api = psutil.Process(proc.pid)
+    for p in (api, _engine_core(api)):
+        maps = Path(f"/proc/{p.pid}/maps").read_text()
+        assert "pyroscope" in maps, f"the Pyroscope agent must run in process {p.pid} ({p.cmdline()[-1][:40]})"
+
+
+def test_pyroscope_flag_without_the_package_is_a_clear_config_error(monkeypatch) -> None:
+    import importlib.util
+
+    from sluice.errors import ConfigError
+    from sluice.server.config import load_settings
+    from sluice.server.runner import _check_pyroscope
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyroscope" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"--pyroscope-server needs the pyroscope-io package: pip install"):
+        _check_pyroscope(load_settings(model="fake", pyroscope_server="http://127.0.0.1:4040", environ={}))
