@@ -91,7 +91,7 @@ async def test_py_spy_samples_a_running_process_without_stopping_it(tmp_path: Pa
     assert result.errors == {}
     assert result.num_samples[key] >= 20, "50 Hz for 1 s of a busy process"
     assert any(any(f.startswith("spin ") for f in stack) for stack in result.stacks[key])
-    assert result.sampler_cpu_seconds >= 0.0 and result.wall_seconds >= 1.0
+    assert result.sampler_cpu_seconds >= 0.0 and result.wall_seconds >= 0.5, "py-spy ran for about its duration"
 
 
 @needs_py_spy
