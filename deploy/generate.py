@@ -99,7 +99,8 @@ def build_dashboard() -> dict[str, Any]:
         return db.Row(title).id(next(ids))
 
     def quantiles(metric: str, by: str = "priority", sel: str = INST, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> list[tuple[str, str]]:
-        return [(f"histogram_quantile({x}, sum by (le, {by}) (rate({metric}_bucket{{{sel}}}[{RATE}])))",
+        selector = f"{metric}_bucket{{{sel}}}" if sel else f"{metric}_bucket"
+        return [(f"histogram_quantile({x}, sum by (le, {by}) (rate({selector}[{RATE}])))",
                  f"p{round(x * 100)} {{{{{by}}}}}") for x in qs]  # fmt: skip
 
     d = (

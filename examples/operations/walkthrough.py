@@ -110,32 +110,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def panels(doc: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
-    """(row, panel title, [PromQL]) of every panel of the dashboard."""
+def panels(doc: dict[str, Any]) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(row, panel title, [(PromQL, legend format)]) of every panel of the dashboard."""
     out, row = [], ""
     for p in doc["panels"]:
         if p["type"] == "row":
             row = p["title"]
             continue
-        out.append((row, p["title"], [t["expr"] for t in p.get("targets", []) if t.get("expr")]))
+        out.append((row, p["title"], [(t["expr"], t.get("legendFormat", "")) for t in p.get("targets", [])
+                                      if t.get("expr")]))  # fmt: skip
     return out
+
+
+def legend(fmt: str, labels: dict[str, str]) -> str:
+    """Grafana's legend format: ``p95 {{priority}}`` -> ``p95 p1``."""
+    import re
+
+    if fmt:
+        return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("__name__", "job")) or "-"
 
 
 def grafana_to_promql(expr: str) -> str:
     return expr.replace("$__rate_interval", RATE_WINDOW).replace('instance=~"$instance"', 'instance=~".*"')
 
 
-def evaluate_with_prometheus(url: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+def evaluate_with_prometheus(url: str, doc: dict[str, Any], at: float) -> list[dict[str, Any]]:
+    """Each panel's queries at time ``at`` (unix seconds), series named by the panel's legend."""
     rows = []
     for row, title, exprs in panels(doc):
         series = []
-        for expr in exprs:
-            r = httpx.get(url + "/api/v1/query", params={"query": grafana_to_promql(expr)}, timeout=10).json()
+        for expr, fmt in exprs:
+            params = {"query": grafana_to_promql(expr), "time": f"{at:.3f}"}
+            r = httpx.get(url + "/api/v1/query", params=params, timeout=10).json()
             for s in r.get("data", {}).get("result", []):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s["metric"].items()) if k not in ("job",))
                 value = float(s["value"][1])
                 if value == value:  # NaN: no traffic in the window for that ratio
-                    series.append((labels or "-", value))
+                    series.append((legend(fmt, s["metric"]), value))
         rows.append({"row": row, "panel": title, "series": series})
     return rows
 
@@ -153,7 +164,7 @@ def evaluate_from_metrics(texts: list[str], doc: dict[str, Any]) -> list[dict[st
                 samples[s.name] = samples.get(s.name, 0.0) + s.value
     rows = []
     for row, title, exprs in panels(doc):
-        names = sorted({n for e in exprs for n in re.findall(r"\b(sluice_[a-z0-9_]+)", e)})
+        names = sorted({n for e, _ in exprs for n in re.findall(r"\b(sluice_[a-z0-9_]+)", e)})
         series = [(n.removesuffix("_bucket") + "_count" if n.endswith("_bucket") else n,
                    samples.get(n.removesuffix("_bucket") + "_count" if n.endswith("_bucket") else n, float("nan")))
                   for n in names]  # fmt: skip
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                  "p0=0.2,p1=0.5,p2=0.3", "--no-progress", "--out", str(out / "bench")]  # fmt: skip
         log(" ".join(["sluice", *bench[3:]]))
         load = subprocess.Popen(bench, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+        t_load = time.time()
 
         # 3. a flame graph while the load runs
         time.sleep(min(5.0, args.seconds / 4))
@@ -233,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         # 4. the dashboard's panels
         doc = json.loads((ROOT / "deploy/grafana/sluice.json").read_text())
         if prom:
-            time.sleep(3)  # a last scrape after the load
-            rows, how = evaluate_with_prometheus(prom, doc), f"PromQL on a local Prometheus, rate window {RATE_WINDOW}"
+            at = min(time.time(), t_load + args.seconds * 0.8)  # while the load ran
+            rows = evaluate_with_prometheus(prom, doc, at)
+            how = f"PromQL on a local Prometheus {time.time() - at:.0f} s ago, during the load, rate window {RATE_WINDOW}"
         else:
             texts = [httpx.get(u + "/metrics", timeout=5).text for u in [*urls, gateway_url]]
             rows, how = evaluate_from_metrics(texts, doc), "raw /metrics samples"

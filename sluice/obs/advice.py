@@ -76,7 +76,8 @@ def _placement(r: dict[str, Any]) -> list[Advice]:
         return []
     out = []
     gpus = topo.get("gpus", [])
-    for i, g in enumerate(gpus):
+    for g in gpus:
+        i = [x for x in gpus if x.get("vendor") == g.get("vendor")].index(g)  # cuda:i, PCI bus order
         node = g.get("numa_node")
         if node is None or node not in nodes or allowed <= nodes[node]:
             continue
