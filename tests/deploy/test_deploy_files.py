@@ -56,9 +56,24 @@ def _dockerfile_argv() -> list[str]:
     return list(cmd)
 
 
+def _shell_lines(path: Path) -> list[str]:
+    """The lines that are commands: a Markdown file's ```bash blocks, else a file's comment lines."""
+    text = path.read_text().splitlines()
+    if path.suffix != ".md":
+        return [ln.strip().lstrip("#").strip() for ln in text]
+    out, inside = [], False
+    for ln in text:
+        if ln.startswith("```"):
+            inside = ln.strip() in ("```bash", "```sh", "```console")
+            continue
+        if inside:
+            out.append(ln.strip())
+    return out
+
+
 def _documented_argv(path: Path, prefix: str = "sluice") -> list[list[str]]:
-    """``sluice ...`` commands in a file's comments / code blocks (continuation lines joined)."""
-    lines = [ln.strip().lstrip("#").strip() for ln in path.read_text().splitlines()]
+    """``sluice ...`` commands of a file (continuation lines joined)."""
+    lines = _shell_lines(path)
     out, cur = [], ""
     for ln in lines:
         cur = f"{cur} {ln}" if cur else ln
