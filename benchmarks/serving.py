@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import glob
 import json
+import math
 import os
 import queue
 import random
@@ -276,15 +277,15 @@ def served_model_id(url: str) -> str:
     return str(data["data"][0]["id"])
 
 
-def sluice_details(ready_lines: list[str]) -> str:
+def sluice_details(ready_lines: list[str], flags: list[str]) -> str:
     """What the server says it serves; the kernel paths this CPU offers when it does not say which it took."""
     text = "".join(ready_lines)
-    parts = []
+    parts = [" ".join(flags) if flags else "default flags (--quantization auto)"]
     for key in ("dtype", "quantization", "kernels", "kernel path", "attention"):
         m = re.search(rf"{key} ([^\s,]+)", text)
         if m:
             parts.append(f"{key} {m.group(1)}")
-    if not any(p.startswith("kernel") for p in parts):
+    if not flags and not any(p.startswith("kernel") for p in parts):
         with contextlib.suppress(Exception):
             from sluice.kernels.qlinear import available_paths
 
@@ -305,7 +306,7 @@ def start_sluice(args: argparse.Namespace, variant: str = "sluice") -> Server:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     m, seen = _wait_line(proc, r"ready in .* at (http://\S+)", 900)
     url = m.group(1)
-    details = sluice_details(seen)
+    details = sluice_details(seen, extra)
     if args.num_threads:
         details += f", {args.num_threads} threads"
     return Server(label, proc, url, served_model_id(url), time.monotonic() - t0, details)
@@ -571,13 +572,17 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
 def levels_table(systems: dict[str, Any]) -> str:
     headers = ["system", "conc", "req/s", "out tok/s", "TTFT p50 s", "TTFT p95 s", "TPOT ms", "e2e p95 s",
                "errors", "API CPU us/tok", "load avg"]
-    table = []
+    table: list[list[object]] = []
     for sysres in systems.values():
         for r in sysres["levels"]:
             table.append([sysres["name"], r["concurrency"], r["req_per_s"], r["output_tok_per_s"], r["ttft_p50_s"],
                           r["ttft_p95_s"], 1000 * r["tpot_mean_s"], r["e2e_p95_s"], f"{r['errors']}/{r['requests']}",
-                          r["api_cpu_us_per_token"], r["load_avg_1m"]])
+                          _or_dash(r["api_cpu_us_per_token"]), r["load_avg_1m"]])
     return markdown_table(headers, table)
+
+
+def _or_dash(x: float) -> object:
+    return "-" if math.isnan(x) else x
 
 
 def systems_table(systems: dict[str, Any]) -> str:
