@@ -109,7 +109,8 @@ def run_server(
         print(
             f"sluice serve: model {name} ({info.path}), dtype {info.dtype} on {info.device}, "
             f"{info.num_blocks} KV blocks x {info.block_size} tokens, max_model_len {info.max_model_len}, "
-            f"attention {info.attention_backend}" + (f", kernels {info.kernel_path}" if info.kernel_path else ""),
+            f"attention {info.attention_backend}, weights {info.quantization}"
+            + (f", kernels {info.kernel_path}" if info.kernel_path else ""),
             flush=True,
         )
         print(f"sluice serve: ready in {time.monotonic() - t0:.1f} s at {url}  (OpenAI base URL {url}/v1)", flush=True)
