@@ -47,6 +47,7 @@ __all__ = [
     "read_yaml",
     "resolve",
     "typer_command",
+    "expand_multi_value_flags",
     "ENV_PREFIX",
 ]
 
@@ -61,16 +62,18 @@ def setting(
     envvars: Sequence[str] = (),
     choices: Iterable[str] = (),
     parse: Callable[[Any], Any] | None = None,
+    multi_value: bool = False,
 ) -> dict[str, Any]:
     """Metadata that makes a dataclass field a setting::
 
         max_num_seqs: int = field(default=64, metadata=setting("Running sequences cap."))
 
     ``flags`` / ``envvars`` are extra names (``-m``, an old variable) after the
-    derived ones; ``parse`` turns a string into the value before validation.
+    derived ones; ``parse`` turns a string into the value before validation;
+    ``multi_value`` (a list field) also takes several values after one flag.
     """
     return {"help": help, "flags": tuple(flags), "envvars": tuple(envvars),
-            "choices": tuple(choices), "parse": parse}  # fmt: skip
+            "choices": tuple(choices), "parse": parse, "multi_value": multi_value}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Option:
     choices: tuple[str, ...] = ()
     default: Any = None  # shown in --help
     parse: Callable[[Any], Any] | None = None  # str -> value, before validation
+    multi_value: bool = False  # several values after one flag: --lora-modules a=/x b=/y (vLLM's nargs='+')
 
     @property
     def flag(self) -> str:
@@ -113,6 +117,7 @@ def make_option(
     envvars: Sequence[str] = (),
     choices: Iterable[str] = (),
     parse: Callable[[Any], Any] | None = None,
+    multi_value: bool = False,
 ) -> Option:
     kind, multiple, enum_choices = _kind(annotation)
     return Option(
@@ -125,6 +130,7 @@ def make_option(
         choices=tuple(choices) or enum_choices,
         default=default,
         parse=parse,
+        multi_value=multi_value and multiple,
     )
 
 
@@ -153,7 +159,8 @@ def options_from_dataclass(cls: type) -> list[Option]:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         out.append(make_option(f.name, meta["help"], hints[f.name], default, flags=meta["flags"],
-                               envvars=meta["envvars"], choices=meta["choices"], parse=meta["parse"]))  # fmt: skip
+                               envvars=meta["envvars"], choices=meta["choices"], parse=meta["parse"],
+                               multi_value=meta.get("multi_value", False)))  # fmt: skip
     return out
 
 
@@ -287,6 +294,42 @@ def resolve(
         except ConfigError as e:
             raise r.error(name, e.message) from None
     return r
+
+
+def expand_multi_value_flags(args: Sequence[str], options: Iterable[Option]) -> list[str]:
+    """``--lora-modules a=/x b=/y --port 1`` -> ``--lora-modules a=/x --lora-modules b=/y --port 1``.
+
+    Click options take one value per flag; a ``multi_value`` option also takes
+    the words after it up to the next one that starts with ``-``.
+    """
+    flags = {f for o in options if o.multi_value for f in o.flags}
+    out: list[str] = []
+    current: str | None = None  # the multi-value flag whose values are being read
+    taken = 0
+    for a in args:
+        if a == "--":
+            current = None
+        elif a.startswith("-"):
+            name = a.split("=", 1)[0]
+            current = name if name in flags else None
+            taken = int(a != name)  # --flag=value already holds one value
+        elif current is not None:
+            if taken:
+                out.append(current)
+            taken += 1
+        out.append(a)
+    return out
+
+
+def multi_value_command_class(options: Sequence[Option]) -> type:
+    """A typer command class whose ``multi_value`` flags take several values (``expand_multi_value_flags``)."""
+    import typer.core
+
+    class MultiValueCommand(typer.core.TyperCommand):
+        def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+            return super().parse_args(ctx, expand_multi_value_flags(args, options))
+
+    return MultiValueCommand
 
 
 def typer_command(

@@ -29,8 +29,9 @@ from sluice.engine.request import Request
 __all__ = ["BlockManager", "hash_block"]
 
 
-def hash_block(prev_hash: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((prev_hash, tokens))
+def hash_block(prev_hash: int | None, tokens: tuple[int, ...], salt: bytes = b"") -> int:
+    """``salt`` keeps caches apart that share tokens but not K/V (a LoRA adapter's, ``Request.cache_salt``)."""
+    return hash((prev_hash, tokens, salt)) if salt else hash((prev_hash, tokens))
 
 
 class BlockManager:
@@ -67,10 +68,10 @@ class BlockManager:
 
     # ------------------------------------------------------------ prefix cache
 
-    def _prefix_hashes(self, token_ids: list[int], max_blocks: int) -> list[int]:
+    def _prefix_hashes(self, token_ids: list[int], max_blocks: int, salt: bytes = b"") -> list[int]:
         bs, prev, out = self.block_size, None, []
         for i in range(max_blocks):
-            prev = hash_block(prev, tuple(token_ids[i * bs : (i + 1) * bs]))
+            prev = hash_block(prev, tuple(token_ids[i * bs : (i + 1) * bs]), salt)
             out.append(prev)
         return out
 
@@ -82,7 +83,7 @@ class BlockManager:
         # last token must run through the model to produce logits.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for h in self._prefix_hashes(req.token_ids, max_blocks):
+        for h in self._prefix_hashes(req.token_ids, max_blocks, req.cache_salt):
             b = self.block_by_hash.get(h)
             if b is None:
                 break
@@ -161,7 +162,7 @@ class BlockManager:
         num_full = min(num_computed_tokens // bs, len(req.block_ids))
         prev = req.block_hashes[-1] if req.block_hashes else None
         for i in range(len(req.block_hashes), num_full):
-            h = hash_block(prev, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            h = hash_block(prev, tuple(req.token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
             req.block_hashes.append(h)
             prev = h
             b = req.block_ids[i]

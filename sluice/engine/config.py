@@ -31,6 +31,7 @@ __all__ = [
     "DTYPES",
     "QUANTIZATIONS",
     "parse_bytes",
+    "parse_lora_modules",
     "BLOCK_SIZE",
 ]
 
@@ -68,6 +69,39 @@ def parse_bytes(value: str | int | float) -> int:
     return n
 
 
+def parse_lora_modules(value: object) -> list[str]:
+    """``--lora-modules`` entries as ``name=path`` strings, from any of the forms vLLM accepts::
+
+        ["sql=/adapters/sql", "chat=/adapters/chat"]                 flags, SLUICE_LORA_MODULES=a=/x,b=/y
+        ['{"name": "sql", "path": "/adapters/sql"}']                  JSON per entry
+        {"sql": "/adapters/sql"}  or  [{"name": ..., "path": ...}]     config file
+    """
+    import json
+
+    items: list[object] = list(value.items()) if isinstance(value, dict) else list(value) if isinstance(value, (list, tuple)) else [value]
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except ValueError:
+                raise ConfigError(f"lora_modules: {item!r} is not valid JSON", setting="lora_modules") from None
+        if isinstance(item, tuple):
+            name, path = item
+        elif isinstance(item, dict):
+            name, path = item.get("name"), item.get("path")
+        elif isinstance(item, str) and "=" in item:
+            name, path = item.split("=", 1)
+        else:
+            raise ConfigError(f"lora_modules: expected name=path, got {item!r}", setting="lora_modules")
+        name, path = str(name or "").strip(), str(path or "").strip()
+        if not name or not path or any(c.isspace() for c in name):
+            raise ConfigError(f"lora_modules: expected name=path with a non-empty name and path, got {item!r}",
+                              setting="lora_modules")  # fmt: skip
+        out.append(f"{name}={path}")
+    return out
+
+
 @dataclass
 class EngineConfig:
     model: str = field(default="smollm2", metadata=setting(
@@ -102,6 +136,17 @@ class EngineConfig:
     quant_fallback: str = field(default="auto", metadata=setting(
         "Layers kept in float when quantizing at load: auto (the most sensitive ones, measured on "
         "calibration text), none, or comma-separated patterns of HF weight names (fnmatch)."))
+    lora_modules: list[str] = field(default_factory=list, metadata=setting(
+        "LoRA adapters (PEFT directories) served by name: name=path; repeatable, several after one flag, "
+        "or JSON {\"name\", \"path\"}. A request's model picks the base model or an adapter.",
+        parse=parse_lora_modules, multi_value=True))
+    max_lora_rank: int = field(default=64, metadata=setting(
+        "Largest LoRA rank accepted; an adapter of a higher rank is refused."))
+    max_loras: int = field(default=8, metadata=setting(
+        "Distinct LoRA adapters in one engine step; requests of other adapters wait for the next steps."))
+    max_cpu_loras: int | None = field(default=None, metadata=setting(
+        "LoRA adapters kept loaded in memory, least recently used evicted (default: 2 x --max-loras); "
+        "an evicted adapter is reloaded by its next request."))
 
     def validate(self) -> None:
         """Range and name checks; ``ConfigError`` naming the field (``.setting``)."""
@@ -124,9 +169,29 @@ class EngineConfig:
                       f"unknown backend {self.attention_backend!r}: use {', '.join(ATTENTION_BACKENDS)}")  # fmt: skip
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"unknown quantization {self.quantization!r}: use {', '.join(QUANTIZATIONS)}")
+        for name in ("max_lora_rank", "max_loras", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad(name, f"must be >= 1, got {value}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", f"({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras}): "
+                      "every adapter of a step is in memory")  # fmt: skip
+        adapters = [m.split("=", 1)[0] for m in parse_lora_modules(self.lora_modules)]
+        if len(set(adapters)) != len(adapters):
+            raise bad("lora_modules", f"adapter names must be unique, got {', '.join(adapters)}")
         if self.scheduling_policy not in {p.value for p in SchedulingPolicy}:
             names = ", ".join(p.value for p in SchedulingPolicy)
             raise bad("scheduling_policy", f"unknown policy {self.scheduling_policy!r}: use {names}")
+
+    @property
+    def lora_module_paths(self) -> dict[str, str]:
+        """``--lora-modules`` as name -> path."""
+        return dict(m.split("=", 1) for m in parse_lora_modules(self.lora_modules))
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in memory (``--max-cpu-loras``, default 2 x ``--max-loras``)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 2 * self.max_loras
 
 
 @dataclass(frozen=True)

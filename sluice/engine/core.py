@@ -18,14 +18,21 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
+from sluice.engine.lora_manager import LoRAManager
 from sluice.engine.model_runner import ModelRunner
-from sluice.engine.protocol import EngineOutput, EngineRequest, EngineStats
+from sluice.engine.protocol import (
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    LoRALoadRecord,
+)
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampler import SamplingRow
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.step_model import StepTimeModel
 from sluice.engine.validation import validate_request
-from sluice.errors import InvalidRequestError
+from sluice.errors import ConfigError, InvalidRequestError, ModelLoadError, SluiceError
 from sluice.models.loader import ModelSource, resolve_model
 
 __all__ = ["EngineCore"]
@@ -52,6 +59,14 @@ class EngineCore:
         cfg = self.runner.model_config
         self.eos_token_ids = _eos_ids(self.source, [*cfg.eos_token_ids, *extra_eos_token_ids])
         self.block_manager = BlockManager(self.runner.num_blocks, BLOCK_SIZE, config.enable_prefix_caching)
+        self.lora = LoRAManager(self.runner.model, max_rank=config.max_lora_rank, max_loras=config.max_loras,
+                                capacity=config.num_cpu_loras)  # fmt: skip
+        for name, path in config.lora_module_paths.items():
+            try:
+                self.lora.register_now(name, path)
+            except SluiceError as e:
+                raise ConfigError(f"lora_modules: {name}={path}: {e.message}", setting="lora_modules") from None
+        self.runner.lora_adapters = self.lora.resident
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -59,6 +74,8 @@ class EngineCore:
             config.scheduling_policy,
             max_model_len=self.runner.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            max_loras=config.max_loras,
+            adapter_ready=self.lora.is_ready,
         )
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own, when seeded
         self._pending_aborts: list[str] = []
@@ -91,9 +108,12 @@ class EngineCore:
             raise InvalidRequestError(f"duplicate request id {rid!r}", param="request_id")
         validate_request(ereq.prompt_token_ids, ereq.sampling, self.model_info, ereq.priority)
         sp = ereq.sampling
+        req = Request.from_engine_request(ereq)
+        if req.lora_name is not None:
+            self.lora.acquire(req)  # ModelNotFoundError for an unknown adapter; starts its load if needed
         if sp.seed is not None:
             self.generators[rid] = torch.Generator().manual_seed(sp.seed % (2**64))
-        self.scheduler.add_request(Request.from_engine_request(ereq))
+        self.scheduler.add_request(req)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests; their blocks are freed at the start of the next step."""
@@ -102,12 +122,43 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------------------ LoRA adapters
+
+    def load_lora_adapter(self, name: str, path: str, traceparent: str | None = None) -> int:
+        """Start loading an adapter off the step loop; its ``LoRALoadRecord`` (ticket) says how it went."""
+        return self.lora.start_load(name, path, traceparent)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.lora.unregister(name)
+
+    def take_lora_loads(self) -> list[LoRALoadRecord]:
+        self.lora.poll()  # an idle engine does not step: finished loads are installed here too
+        return self.lora.take_records()
+
+    def has_pending_lora_loads(self) -> bool:
+        return self.lora.has_pending_loads
+
+    def _fail_lora_waiters(self) -> list[EngineOutput]:
+        """Requests waiting for an adapter whose load failed: finished with the load's error."""
+        failed = self.lora.waiting_on_failed_load()
+        if not failed:
+            return []
+        waiting = [r for r in self.scheduler.requests.values() if r.lora_id in failed and r.status is RequestStatus.WAITING]
+        outputs = []
+        for req in waiting:
+            (out,) = self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+            out.error = EngineError.from_exception(ModelLoadError(failed[req.lora_id]))
+            outputs.append(out)
+        return outputs
+
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[EngineOutput]:
         t0 = time.monotonic()
         outputs = self.scheduler.finish_requests(self._pending_aborts, RequestStatus.FINISHED_ABORTED)
         self._pending_aborts.clear()
+        self.lora.poll()  # NOTE(lora-loads) in lora_manager: install finished loads, start queued ones
+        outputs += self._fail_lora_waiters()
         sched = self.scheduler.schedule(self._token_budget())
         if not sched.is_empty:
             tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
@@ -118,9 +169,12 @@ class EngineCore:
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, t0, t1)
+        elif self.lora.has_pending_loads:
+            self.lora.wait_any(0.005)  # only adapter loads to wait for: sleep on them instead of spinning
         for out in outputs:
             if out.finished:
                 self.generators.pop(out.request_id, None)
+                self.lora.release(out.request_id)
         return outputs
 
     def _token_budget(self) -> int | None:
@@ -204,6 +258,10 @@ class EngineCore:
             step_time_per_token=self.step_model.per_token,
             max_num_batched_tokens=self._last_budget,
             max_num_seqs=sch.max_num_seqs,
+            lora=self.lora.make_stats(
+                {r.lora_id for r in sch.running if r.lora_id},
+                sum(1 for r in sch.waiting if r.lora_id and not self.lora.is_ready(r)),
+            ),
         )
 
 

@@ -5,6 +5,10 @@
     outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].text, outs[0].finish_reason, outs[0].timings.ttft)
     print(llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0].text)
+
+    llm = LLM("smollm2", lora_modules=["sql=/adapters/sql"])           # LoRA adapters (docs/lora.md)
+    llm.load_lora_adapter("chat", "/adapters/chat")
+    outs = llm.generate(["q1", "q2", "q3"], lora=["sql", None, "chat"])  # None: the base model
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from sluice.engine.protocol import (
     TokenLogprobs,
 )
 from sluice.engine.stop import apply_output
-from sluice.errors import InvalidRequestError
+from sluice.errors import InvalidRequestError, from_parts
 from sluice.models.loader import resolve_model
 from sluice.models.tokenizer import IncrementalDetokenizer, load_tokenizer
 from sluice.types import Priority, parse_priority
@@ -98,14 +102,33 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: str | int | Priority | Sequence[str | int | Priority] | None = None,
+        lora: str | Sequence[str | None] | None = None,
         progress: bool | None = None,
     ) -> list[RequestOutput]:
+        """``lora``: a LoRA adapter name for every prompt, or one per prompt (None: the base model)."""
         plist = self._normalize_prompts(prompts)
         n = len(plist)
         params_list = self._broadcast(params or SamplingParams(), n, "params")
         prio_list = self._broadcast(priority, n, "priority")
+        lora_list = self._broadcast(lora, n, "lora")
         ids_list = [self._encode(p) for p in plist]
-        return self._run(plist, ids_list, params_list, prio_list, progress)
+        return self._run(plist, ids_list, params_list, prio_list, progress, lora_list)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load and register a LoRA adapter (PEFT directory); returns once it is in memory.
+        Raises ``InvalidRequestError`` naming the problem (bad path, another base model, rank too high)."""
+        ticket = self.engine.load_lora_adapter(name, path)
+        while True:
+            for rec in self.engine.take_lora_loads():
+                if rec.ticket == ticket:
+                    if rec.error is not None:
+                        raise from_parts("invalid_request_error", rec.error, param="lora_path", code="invalid_lora_adapter")
+                    return
+            self.engine.step()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unregister an adapter; raises ``ModelNotFoundError`` for an unknown name."""
+        self.engine.unload_lora_adapter(name)
 
     def chat(
         self,
@@ -176,17 +199,20 @@ class LLM:
         params_list: list[SamplingParams],
         prio_list: list[Any],
         progress: bool | None,
+        lora_list: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         seqs: dict[str, _Seq] = {}
         added: list[str] = []
         try:
-            for i, (ids, sp, pr) in enumerate(zip(ids_list, params_list, prio_list)):
+            loras = lora_list or [None] * len(ids_list)
+            for i, (ids, sp, pr, lo) in enumerate(zip(ids_list, params_list, prio_list, loras)):
                 for j in range(sp.n):
                     rid = f"{uuid.uuid4().hex}-{i}-{j}"
                     sub = sp if sp.n == 1 else _with(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
                     self.engine.add_request(
                         EngineRequest(
-                            request_id=rid, prompt_token_ids=ids, sampling=sub, priority=int(parse_priority(pr))
+                            request_id=rid, prompt_token_ids=ids, sampling=sub, priority=int(parse_priority(pr)),
+                            lora_name=lo,
                         )
                     )
                     added.append(rid)
@@ -237,6 +263,11 @@ class LLM:
                     s = seqs.get(out.request_id)
                     if s is None:
                         continue
+                    if out.error is not None:  # e.g. its adapter failed to load
+                        self.engine.abort(list(pending))
+                        while self.engine.has_unfinished_requests():
+                            self.engine.step()
+                        raise out.error.to_exception()
                     s.last = out
                     s.token_ids.extend(out.new_token_ids)
                     if out.logprobs:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import psutil
 import torch
 
 from sluice.engine.attention import AttentionMetadata, make_attention_backend
 from sluice.engine.config import BLOCK_SIZE, EngineConfig
+from sluice.engine.lora_manager import build_lora_batch
 from sluice.engine.protocol import TokenLogprobs
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
@@ -87,6 +89,7 @@ class ModelRunner:
             config.attention_backend, config.device, self.k_caches, self.v_caches, cfg.head_dim**-0.5
         )
         self.sampler = Sampler(seed)
+        self.lora_adapters: dict[int, Any] | None = None  # lora_id -> LoRAAdapter in memory (LoRAManager.resident)
         self.capture_logits = False  # tests: keep a copy of each step's raw logits
         self.last_logits: torch.Tensor | None = None
 
@@ -143,7 +146,8 @@ class ModelRunner:
         try:
             ids, pos, meta, sample_idx = self.build_metadata(sched)
             self.attention.set_metadata(meta)
-            hidden = self.model(ids, pos, self.attention)
+            lora = build_lora_batch(sched, self.lora_adapters) if self.lora_adapters else None
+            hidden = self.model(ids, pos, self.attention, lora)
             if not sample_idx:
                 return [], []
             logits = self.model.compute_logits(hidden[sample_idx])  # (N, vocab) fp32

@@ -36,6 +36,8 @@ __all__ = [
     "EngineCoreOutputs",
     "EngineControl",
     "EngineControlReply",
+    "LoRAStats",
+    "LoRALoadRecord",
     "EngineError",
     "FinishReason",
     "EngineCoreProtocol",
@@ -122,6 +124,10 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     arrival_time: float = 0.0  # monotonic seconds; 0 -> stamped on arrival at the engine
     trace_id: str | None = None  # W3C trace id (32 hex), for logs / spans
     ttft_target: float = 0.0  # seconds after arrival_time its first token is due (its class's SLO); 0: none
+    lora_name: str | None = None  # a LoRA adapter the engine serves; None: the base model
+    # W3C traceparent of the request's span: the parent of what the engine reports
+    # for it after the fact (an adapter load it caused, ``LoRALoadRecord``)
+    traceparent: str | None = None
 
 
 class EngineAbort(msgspec.Struct, kw_only=True):
@@ -204,19 +210,55 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time_per_token: float = 0.0  # seconds per batched token (b); both 0 until measured
     max_num_batched_tokens: int = 0  # the last step's token budget (bounded under tight targets; 0: unknown)
     max_num_seqs: int = 0  # running sequences cap (0: unknown)
+    lora: LoRAStats | None = None  # None: the engine serves no adapters
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     outputs: list[EngineOutput]
     stats: EngineStats | None = None
     timestamp: float = 0.0
+    lora_loads: list[LoRALoadRecord] = msgspec.field(default_factory=list)  # finished since the last message
+
+
+class LoRAStats(msgspec.Struct, kw_only=True):
+    """The engine's LoRA adapters (``EngineStats.lora``); counters are cumulative."""
+
+    max_loras: int = 0  # adapters one step may hold
+    adapters: list[str] = msgspec.field(default_factory=list)  # registered: requests may name them
+    loaded: list[str] = msgspec.field(default_factory=list)  # in memory, least recently used first
+    active: list[str] = msgspec.field(default_factory=list)  # used by running requests
+    num_waiting_for_load: int = 0  # requests waiting for their adapter to load
+    num_loads: int = 0
+    num_load_failures: int = 0
+    num_evictions: int = 0
+    load_seconds: float = 0.0  # sum of load durations
+
+
+class LoRALoadRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One finished adapter load, measured in the engine core (its loader thread).
+
+    The API process turns it into metrics and a span after the fact, child of
+    ``traceparent`` (the request, or the admin call, that caused the load).
+    """
+
+    adapter: str
+    path: str
+    start: float  # monotonic seconds
+    end: float
+    num_bytes: int = 0  # bytes read from disk
+    cause: str = "request"  # 'request' | 'admin' | 'startup'
+    request_id: str | None = None  # the request that caused it
+    traceparent: str | None = None
+    ticket: int = 0  # > 0: answers the ``lora_load`` EngineControl that got this ticket
+    error: str | None = None  # None: loaded
 
 
 class EngineControl(msgspec.Struct, kw_only=True):
     """An operator command for the engine core, run between two steps (admin routes)."""
 
     id: int  # echoed in the reply
-    command: str  # 'profile_start', 'profile_stop', ... (``sluice.server.engine_proc._control``)
+    command: str  # 'profile_start', 'profile_stop', 'lora_load', ... (``sluice.server.engine_proc._control``)
+    args: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. lora_load: name, path, traceparent
 
 
 class EngineControlReply(msgspec.Struct, kw_only=True):
@@ -243,3 +285,17 @@ class EngineCoreProtocol(Protocol):
         """Run one step: schedule -> execute -> update."""
 
     def make_stats(self) -> EngineStats: ...
+
+    def load_lora_adapter(self, name: str, path: str, traceparent: str | None = None) -> int:
+        """Start loading (and then registering) an adapter off the step loop; returns the ticket of
+        the ``LoRALoadRecord`` that reports the result.  Raises ``InvalidRequestError`` at once for
+        what needs no load (a name already taken by another path)."""
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unregister an adapter: new requests for it are refused; running ones finish.
+        Raises ``ModelNotFoundError`` for an unknown name."""
+
+    def take_lora_loads(self) -> list[LoRALoadRecord]:
+        """Loads finished since the last call."""
+
+    def has_pending_lora_loads(self) -> bool: ...

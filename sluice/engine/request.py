@@ -44,6 +44,8 @@ class Request:
         arrival_time: float | None = None,
         trace_id: str | None = None,
         ttft_target: float = 0.0,
+        lora_name: str | None = None,
+        traceparent: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,6 +53,12 @@ class Request:
         self.priority = Priority(priority)
         self.trace_id = trace_id
         self.ttft_target = ttft_target  # seconds after arrival the first token is due; 0: no target
+        self.traceparent = traceparent
+        self.lora_name = lora_name  # adapter asked for; None: the base model
+        self.lora_id = 0  # the adapter's engine id once resolved (``LoRAManager.acquire``); 0: the base model
+        # NOTE(lora-prefix): mixed into every block key, so a prefix computed under one
+        # adapter never serves another (b"" for the base model; see lora_manager.cache_salt)
+        self.cache_salt = b""
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
@@ -73,6 +81,8 @@ class Request:
             req.arrival_time or None,
             req.trace_id,
             req.ttft_target,
+            req.lora_name,
+            req.traceparent,
         )
 
     @property

@@ -21,6 +21,12 @@ classes, lowest class and newest first:
     budget   a class facing an exhausted budget un-schedules lower classes'
              decodes for this step (``priority`` and ``wfq``; not ``fcfs``)
 
+LoRA adapters (NOTE(lora-admission)): a waiting request whose adapter is not
+in memory yet, or would be one more than ``max_loras`` distinct adapters among
+the running requests, is set aside for this step (it keeps its place in its
+class) and the requests behind it are admitted; a step's requests are laid out
+grouped by adapter (NOTE(lora-rows)).
+
 Preemption is by recompute: the victim's blocks are freed and it goes back to
 the front of its class's queue; it resumes later and produces the same tokens.
 A running request that needs a block when none is free preempts the lowest
@@ -89,6 +95,8 @@ class _Step:
     budget: int  # tokens left of max_num_batched_tokens
     by_id: dict[str, ScheduledRequest]  # request_id -> its entry in out.scheduled
     now: float  # monotonic
+    adapters: set[int] = field(default_factory=set)  # lora_id of running requests (and admitted this step)
+    passed_over: list[Request] = field(default_factory=list)  # waiting adapter requests set aside this step
 
 
 class Scheduler:
@@ -102,8 +110,12 @@ class Scheduler:
         max_model_len: int | None = None,  # prompt + output cap; None: no cap
         eos_token_ids: Sequence[int] = (),  # end a request unless it asks ignore_eos
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int = 1 << 30,  # distinct LoRA adapters among running requests
+        adapter_ready: Callable[[Request], bool] | None = None,  # its adapter is in memory (LoRAManager.is_ready)
     ):
         self.clock = clock
+        self.max_loras = max_loras
+        self.adapter_ready = adapter_ready
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -217,6 +229,7 @@ class Scheduler:
         """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``)."""
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
         step = _Step(SchedulerOutput(), budget, {}, self.clock())
+        step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         self.running.sort(key=self._order_key)
         # 1: running decodes, most urgent first, one token each
         for req in [r for r in self.running if r.is_prefill_done]:
@@ -226,7 +239,13 @@ class Scheduler:
                 self._schedule_running(step, req)
         # 2: prefill chunks, class by class as the queue policy picks them
         self._schedule_prefills(step)
+        for req in reversed(step.passed_over):  # back in front of their classes, in their order
+            self.waiting.prepend(req)
         out = step.out
+        if step.adapters:
+            # NOTE(lora-rows): each adapter's rows contiguous in the flat batch, so the
+            # model applies its deltas to one slice per adapter (models/lora.py).
+            out.scheduled.sort(key=lambda s: s.request.lora_id)
         out.num_batched_tokens = budget - step.budget
         out.token_budget = budget
         for s in out.scheduled:
@@ -257,14 +276,14 @@ class Scheduler:
                 q = chunked[c]
                 while q and q[0].status is not RequestStatus.RUNNING:  # preempted meanwhile
                     q.popleft()
-                head = q[0] if q else self.waiting.head(c) if can_admit[c] else None
+                head = q[0] if q else self._waiting_head(c, step) if can_admit[c] else None
                 oldest.append(None if head is None else head.timings.arrival)
                 behind.append(self._is_behind(head, step.now))
             choice = self.waiting.pick_class(oldest, behind)
             if choice is None:
                 return
             c = choice.priority
-            req = chunked[c][0] if chunked[c] else self.waiting.head(c)
+            req = chunked[c][0] if chunked[c] else self._waiting_head(c, step)
             assert req is not None
             if step.budget <= 0 and not (choice.is_urgent and self._take_budget(step, req)):
                 return
@@ -276,6 +295,18 @@ class Scheduler:
                 # stops the classes below it too, or they would take what it needs.
                 for k in range(c, len(can_admit)):
                     can_admit[k] = False
+
+    def _waiting_head(self, c: int, step: _Step) -> Request | None:
+        """The first waiting request of class ``c`` that can run now; adapter requests that cannot
+        (not in memory yet, or past ``max_loras``) are set aside for this step (NOTE(lora-admission))."""
+        while (req := self.waiting.head(c)) is not None and req.lora_id and not self._can_run_adapter(req, step):
+            step.passed_over.append(self.waiting.pop_head(c))
+        return req
+
+    def _can_run_adapter(self, req: Request, step: _Step) -> bool:
+        if self.adapter_ready is not None and not self.adapter_ready(req):
+            return False
+        return req.lora_id in step.adapters or len(step.adapters) < self.max_loras
 
     def _take_budget(self, step: _Step, req: Request) -> bool:
         """Un-schedule decodes of classes below ``req`` (lowest class, newest first) for its next chunk.
@@ -328,6 +359,8 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self._order_key)
         self._add(step, req, n)
+        if req.lora_id:
+            step.adapters.add(req.lora_id)
         return True
 
     # ------------------------------------------------------------ update

@@ -1,7 +1,7 @@
 """The gateway's HTTP app: the OpenAI routes of ``sluice serve``, plus admin and metrics.
 
     POST /v1/completions, /v1/chat/completions   routed to a replica (pipeline.py)
-    GET  /v1/models                              the configured models
+    GET  /v1/models                              the configured models, and the LoRA adapters replicas serve (with parent)
     GET  /health                                 200 while some model has a routable replica
     GET  /metrics                                Prometheus text (metrics.py)
     GET  /admin/replicas, /admin/models          state and load figures (admin key)
@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from sluice.auth import KeyStore
 from sluice.errors import InvalidRequestError, PayloadTooLargeError, SluiceError
+from sluice.gateway.adapters import adapters_by_model
 from sluice.gateway.autoscale import Autoscaler
 from sluice.gateway.config import GatewayConfig
 from sluice.gateway.launchers import Launcher, make_launcher
@@ -123,6 +124,8 @@ def build_app(
         except SluiceError as e:
             return error_response(e, _rid(request))
         data = [{"id": m, "object": "model", "owned_by": "sluice"} for m in gateway.pool.models]
+        data += [{"id": a, "object": "model", "owned_by": "sluice", "parent": m}
+                 for a, m in sorted(adapters_by_model(gateway.pool.replicas()).items())]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:

@@ -2,10 +2,10 @@
 
     handle()
       authenticate         API key -> KeyInfo, rate limit, priority capped by tier
-      parse_request        model, stream flag, prompt text, token estimate
+      parse_request        model (a LoRA adapter: its replicas' model), stream flag, prompt text, token estimate
       degrade              graded degradation: shed (429), cap max_tokens, or use the fallback version
       pick_version         traffic shares between a model's versions (canary rollouts)
-      choose_replica       policy over routable, untried replicas
+      choose_replica       policy over routable, untried replicas (for an adapter: those that have it)
       forward              one attempt; retried elsewhere only before the first byte,
                            within the retry budget
       record_outcome       breaker, health, metrics, TTFT, canary windows (every attempt),
@@ -38,6 +38,7 @@ from sluice.errors import (
     ServiceUnavailableError,
     SluiceError,
 )
+from sluice.gateway.adapters import model_of_adapter, prefer_adapter
 from sluice.gateway.config import GatewayConfig
 from sluice.gateway.degradation import DegradationPolicy, LevelChange, Plan, make_degradation
 from sluice.gateway.metrics import GatewayMetrics
@@ -79,6 +80,7 @@ class _Parsed:
     route: RouteRequest
     max_tokens: int  # the client's max_tokens, or the gateway's default estimate
     priority: Priority = Priority.P1  # after the key's tier cap
+    adapter: str | None = None  # the LoRA adapter the client's model names (``model`` is then its base)
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -170,6 +172,8 @@ class Gateway:
         ctx = propagate.extract(headers)
         with self.tracer.start_as_current_span("gateway.route", context=ctx) as span:
             span.set_attribute("sluice.model", parsed.model)
+            if parsed.adapter is not None:
+                span.set_attribute("sluice.lora.adapter", parsed.adapter)
             propagate.inject(upstream_headers)
             return await self._route(path, parsed, upstream_headers, request_id, t0)
 
@@ -201,9 +205,15 @@ class Gateway:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or _DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidRequestError("'max_tokens' must be a positive integer", param="max_tokens")
+        adapter = None
+        if model not in self.pool.versions_by_model:
+            base = model_of_adapter(self.pool.replicas(), model)  # NOTE(lora-routing) in gateway/adapters.py
+            if base is not None:
+                adapter, model = model, base
         self.pool.versions(model)  # 404 for unknown models, before any routing
         # NOTE(token-estimate): ~4 characters per token; the gateway never tokenizes.
-        return _Parsed(raw, body, model, stream, RouteRequest(model, text, len(text) // 4 + max_tokens), max_tokens)
+        route = RouteRequest(model, text, len(text) // 4 + max_tokens)
+        return _Parsed(raw, body, model, stream, route, max_tokens, adapter=adapter)
 
     def degrade(self, parsed: _Parsed) -> Plan:
         """The degradation plan for one request; feeds the policy fresh load figures first."""
@@ -243,8 +253,12 @@ class Gateway:
             ]
         if not candidates:
             return None
+        reason = None
+        if parsed.adapter is not None:
+            candidates, reason = prefer_adapter(candidates, parsed.adapter)
         decision = self.policy.choose(candidates, parsed.route)
-        self.metrics.decisions.labels(parsed.model, self.policy.name.value, decision.reason, decision.replica.url).inc()
+        reason = reason or decision.reason
+        self.metrics.decisions.labels(parsed.model, self.policy.name.value, reason, decision.replica.url).inc()
         return decision.replica
 
     async def _route(
@@ -343,7 +357,8 @@ class Gateway:
 
     def _upstream_body(self, raw_body: _Parsed, version: Version, max_tokens: int | None = None) -> bytes:
         body = raw_body.body
-        rename = version.served_model and version.served_model != raw_body.model
+        # an adapter request keeps its model: the replica serves the adapter under that name
+        rename = version.served_model and version.served_model != raw_body.model and raw_body.adapter is None
         if not rename and "priority" not in body and max_tokens is None:
             return raw_body.raw  # NOTE(no-reencode): forward the client's bytes untouched
         body = {**body, "model": version.served_model} if rename else dict(body)

@@ -4,11 +4,15 @@
 ``ReplicaLoad``.  Unknown or missing series are simply absent (``None``): the
 gateway also fronts plain OpenAI-compatible servers that export nothing.
 vLLM's names (``vllm:num_requests_running`` ...) are understood as well, so a
-vLLM replica gets the same load-aware routing.
+vLLM replica gets the same load-aware routing.  LoRA adapters come from
+``sluice_lora_adapter_loaded{adapter}`` (and vLLM's ``vllm:lora_requests_info``,
+whose running/waiting adapters count as loaded).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +30,7 @@ class ReplicaLoad:
     # the predicted-wait signal (sluice replicas): per class p0, p1, p2; None when not exported
     predicted_ttft: tuple[float, float, float] | None = None  # seconds, a new request's predicted TTFT
     ttft_target: tuple[float, float, float] | None = None  # seconds, its class's target (0: none)
+    lora_adapters: Mapping[str, bool] = dataclasses.field(default_factory=dict)  # LoRA adapter -> in memory (False: loads on use)
 
 
 # series name (as the parser reports it, without _total) -> ReplicaLoad field
@@ -55,8 +60,12 @@ def parse_replica_load(text: str) -> ReplicaLoad:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     by_class: dict[str, list[float]] = {}
+    adapters: dict[str, bool] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in _ADAPTER_SERIES:
+                _read_adapters(sample.name, sample.labels, sample.value, adapters)
+                continue
             per_class = _BY_CLASS.get(sample.name)
             label = sample.labels.get("priority")
             if per_class is not None and label in _CLASSES and sample.value == sample.value:
@@ -73,4 +82,19 @@ def parse_replica_load(text: str) -> ReplicaLoad:
         values[field] = min(1.0, max(0.0, v)) if field in _RATIOS else max(0.0, v)
     for field, per in by_class.items():
         values[field] = (per[0], per[1], per[2])
-    return ReplicaLoad(**values)  # type: ignore[arg-type]
+    return ReplicaLoad(**values, lora_adapters=adapters)  # type: ignore[arg-type]
+
+
+_ADAPTER_SERIES = ("sluice_lora_adapter_loaded", "vllm:lora_requests_info")
+
+
+def _read_adapters(name: str, labels: Mapping[str, str], value: float, out: dict[str, bool]) -> None:
+    if name == "sluice_lora_adapter_loaded":
+        adapter = labels.get("adapter")
+        if adapter:
+            out[adapter] = out.get(adapter, False) or value >= 1.0
+        return
+    # vLLM: one sample per change, labels running_lora_adapters / waiting_lora_adapters = "a,b"
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        for adapter in filter(None, (labels.get(key) or "").split(",")):
+            out[adapter.strip()] = True

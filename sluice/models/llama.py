@@ -22,7 +22,7 @@ GEMMs' epilogues; other dtypes and devices use the torch ops.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from sluice.kernels import ext
 from sluice.kernels.linear import Linear, make_linear
 from sluice.kernels.qweight import QuantWeight
 from sluice.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from sluice.models.lora import LoRABatch
 
 __all__ = ["LlamaForCausalLM", "AttentionFn", "WeightValue", "Rope"]
 
@@ -125,7 +128,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # (T, hidden); updated in place (residual adds)
         rope: Rope,
         attention: AttentionFn,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
+        if lora:  # adapter rows in the batch: the unfused sequence plus their deltas (models/lora.py)
+            return lora.forward_layer(self, idx, x, rope, attention)
         t = x.shape[0]
         if self.fused:
             k = self.ops.fused
@@ -232,11 +238,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64
         attention: AttentionFn,
+        lora: LoRABatch | None = None,  # the step's adapter row groups, if any
     ) -> torch.Tensor:  # (T, hidden), final-normed
         x = self.embed_tokens(input_ids)
         rope = Rope(positions, self.rope_cos, self.rope_sin)
         for i, layer in enumerate(self.layers):
-            x = layer(i, x, rope, attention)
+            x = layer(i, x, rope, attention, lora)
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

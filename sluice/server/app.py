@@ -8,7 +8,9 @@ that waits for it.  Tests pass fakes through the same parameters
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (200 only when the engine is ready and the
-server is not draining), ``GET /metrics``; ``/admin/profile`` (``sluice.server.profiling``).
+server is not draining), ``GET /metrics``; ``/admin/profile`` (``sluice.server.profiling``);
+LoRA adapters: ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``
+(``sluice.server.lora_routes``).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ from sluice.server.engine_client import EngineClient
 from sluice.server.engine_proc import default_engine_factory
 from sluice.server.engine_setup import EngineProcessSetup
 from sluice.server.generation import Generation
+from sluice.server.lora_routes import add_lora_routes, models_entries
 from sluice.server.profiling import add_profile_routes
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.serving import OpenAIServing, RequestContext
 from sluice.server.sse import ClientGone, SSEResponse, wait_or_disconnect
-from sluice.server.telemetry import CONTENT_TYPE_LATEST, ServerMetrics
+from sluice.server.telemetry import CONTENT_TYPE_LATEST, ServerMetrics, record_lora_loads
 
 __all__ = ["build_app", "ServerState"]
 
@@ -181,6 +184,7 @@ def build_app(
         engine_factory=engine_factory,
         on_dead=_dead,
         on_stats=_on_stats,
+        on_lora_loads=lambda records: record_lora_loads(tracing, metrics, records),
     )
     state = ServerState(
         settings=settings,
@@ -231,6 +235,7 @@ def build_app(
             tracing=tracing,
             is_draining=lambda: state.is_draining,
         )
+        state.serving.lora_adapters.update(settings.engine.lora_module_paths)
         metrics.info.labels(model=name).set(1)
         if state.on_ready is not None:
             state.on_ready(info)
@@ -299,7 +304,8 @@ def build_app(
                         "owned_by": "sluice",
                         "root": info.path,
                         "max_model_len": info.max_model_len,
-                    }
+                    },
+                    *models_entries(state),
                 ],
             }
         )
@@ -342,9 +348,12 @@ def build_app(
             body = await _read_body(request)
             req = schema.model_validate_json(body)
             assert isinstance(req, (CompletionRequest, ChatCompletionRequest))
-            serving.check_model(req.model)
+            lora_name = serving.check_model(req.model)
             serving.resolve_priority(ctx, request.headers.get("x-priority"), req.priority)
             prep = await serving.prepare(ctx, req)
+            if lora_name is not None:
+                prep.lora_name = ctx.extra["lora_name"] = lora_name
+                span.set_attribute("sluice.lora.adapter", lora_name)
             gen = serving.submit(ctx, prep)
             if req.stream:
                 first, r, it = await wait_or_disconnect(request, serving.first_events(ctx, prep, gen))
@@ -369,6 +378,8 @@ def build_app(
                 metrics.count_request(err.status_code, ctx.priority.label)
                 span.end()
             return error_response(err)
+
+    add_lora_routes(app, state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from sluice.server.config import CONFIG_OPTION, serve_options
-from sluice.settings import typer_command
+from sluice.settings import multi_value_command_class, typer_command
 
 __all__ = ["register", "serve"]
 
@@ -28,7 +28,9 @@ def serve(given: dict[str, Any]) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(typer_command(serve, [CONFIG_OPTION, *serve_options()], doc=serve.__doc__ or ""))
+    options = [CONFIG_OPTION, *serve_options()]
+    # NOTE(multi-value): --lora-modules a=/x b=/y, as vLLM accepts (sluice.settings.expand_multi_value_flags)
+    app.command("serve", cls=multi_value_command_class(options))(typer_command(serve, options, doc=serve.__doc__ or ""))
 
 
 def _check_model(spec: str) -> None:

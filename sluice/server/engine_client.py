@@ -29,6 +29,7 @@ from sluice.engine.protocol import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    LoRALoadRecord,
 )
 from sluice.errors import (
     EngineDeadError,
@@ -76,11 +77,13 @@ class EngineClient:
         engine_factory: Callable[[EngineConfig], Any] | None = None,
         on_dead: Callable[[], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
+        on_lora_loads: Callable[[list[LoRALoadRecord]], None] | None = None,
     ):
         self.config = config
         self._factory = engine_factory or default_engine_factory
         self._on_dead = on_dead
         self._on_stats = on_stats
+        self._on_lora_loads = on_lora_loads
         self._paths = IpcPaths.create()
         # NOTE(raw-zmq): plain sockets, with the PULL socket's FD watched by the event
         # loop, cost a fraction of zmq.asyncio's futures per message; this path runs
@@ -204,8 +207,9 @@ class EngineClient:
         for rid in request_ids:
             self._streams.pop(rid, None)
 
-    async def control(self, command: str, timeout: float = 600.0) -> dict[str, Any]:
-        """Run an operator command in the engine core (between two steps) and return its report."""
+    async def control(self, command: str, timeout: float = 600.0, **args: Any) -> dict[str, Any]:
+        """Run an operator command in the engine core (between two steps) and return its report
+        (``lora_load``: once the adapter is loaded, which takes no step)."""
         if self.is_dead:
             raise EngineDeadError("the engine core process is not running", retry_after=1.0)
         self._next_control += 1
@@ -213,7 +217,7 @@ class EngineClient:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
         try:
-            self._send(encode(Kind.CONTROL, EngineControl(id=cid, command=command)))
+            self._send(encode(Kind.CONTROL, EngineControl(id=cid, command=command, args=args)))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(cid, None)
@@ -265,6 +269,8 @@ class EngineClient:
                 self.stats = batch.stats
                 if self._on_stats is not None:
                     self._on_stats(batch.stats)
+            if batch.lora_loads and self._on_lora_loads is not None:
+                self._on_lora_loads(batch.lora_loads)
         elif kind == Kind.CONTROL_REPLY:
             reply = dec.control_reply.decode(payload)
             fut = self._controls.get(reply.id)

@@ -1,6 +1,6 @@
 """The engine core process: a busy loop around ``EngineCore``.
 
-    poll input (block only when idle) -> add / abort -> step -> publish outputs
+    poll input (block only when idle) -> add / abort / control -> step -> publish outputs
 
 It owns the model, the KV cache and the scheduler (all inside ``EngineCore``)
 and nothing else: no HTTP, no tokenizer.  It publishes one
@@ -32,6 +32,7 @@ from sluice.engine.protocol import (
     EngineError,
     EngineOutput,
     FinishReason,
+    LoRALoadRecord,
 )
 from sluice.errors import InvalidRequestError, ModelLoadError, SluiceError
 from sluice.server.engine_setup import StepProfiler, profile_control
@@ -42,6 +43,7 @@ __all__ = ["run_engine_core", "default_engine_factory"]
 log = logging.getLogger("sluice.engine_core")
 
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+LOAD_POLL_MS = 5  # how often an engine with only LoRA adapter loads in flight looks at them
 
 
 def default_engine_factory(config: EngineConfig) -> EngineCoreProtocol:
@@ -87,9 +89,10 @@ def run_engine_core(
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     was_busy = False
+    lora_tickets: dict[int, int] = {}  # LoRA load ticket -> the lora_load control awaiting its answer
     while not stopping:
         busy = engine.has_unfinished_requests()
-        timeout = 0 if busy else IDLE_POLL_MS
+        timeout = 0 if busy else LOAD_POLL_MS if engine.has_pending_lora_loads() else IDLE_POLL_MS
         rejected: list[EngineOutput] = []
         # NOTE(drain-input): take every queued message before stepping so that a
         # burst of arrivals lands in one schedule() instead of one per step.
@@ -105,12 +108,15 @@ def run_engine_core(
             elif kind == Kind.ABORT:
                 engine.abort(dec.abort.decode(payload).request_ids)
             elif kind == Kind.CONTROL:
-                push.send_multipart(encode(Kind.CONTROL_REPLY, _control(engine, profiler, dec.control.decode(payload))))
+                reply = _control(engine, profiler, dec.control.decode(payload), lora_tickets)
+                if reply is not None:  # None: a LoRA load, answered when it finished
+                    push.send_multipart(encode(Kind.CONTROL_REPLY, reply))
         if os.getppid() != parent:
             break
         busy = engine.has_unfinished_requests()
         outputs = (profiler.step(engine) if profiler.is_active else engine.step()) if busy else []
-        if busy or was_busy or rejected:
+        loads = engine.take_lora_loads()
+        if busy or was_busy or rejected or loads:
             push.send_multipart(
                 encode(
                     Kind.OUTPUTS,
@@ -118,23 +124,46 @@ def run_engine_core(
                         outputs=rejected + outputs,
                         stats=engine.make_stats(),
                         timestamp=time.monotonic(),
+                        lora_loads=loads,
                     ),
                 )
             )
+        for rec in loads:  # after the outputs: the reply finds the adapter in the stats already
+            cid = lora_tickets.pop(rec.ticket, None) if rec.ticket else None
+            if cid is not None:
+                push.send_multipart(encode(Kind.CONTROL_REPLY, _load_reply(cid, rec)))
         was_busy = busy
     pull.close(linger=0)
     push.close()
     ctx.term()
 
 
-def _control(engine: EngineCoreProtocol, profiler: StepProfiler, msg: EngineControl) -> EngineControlReply:
+def _control(
+    engine: EngineCoreProtocol, profiler: StepProfiler, msg: EngineControl, lora_tickets: dict[int, int]
+) -> EngineControlReply | None:
+    """Run an operator command; None when the answer comes later (``lora_load``: once loaded)."""
     try:
         if msg.command.startswith("profile_"):
             return EngineControlReply(id=msg.id, result=profile_control(profiler, msg.command))
+        if msg.command == "lora_load":
+            a = msg.args
+            lora_tickets[engine.load_lora_adapter(a["name"], a["path"], a.get("traceparent"))] = msg.id
+            return None
+        if msg.command == "lora_unload":
+            engine.unload_lora_adapter(msg.args["name"])
+            return EngineControlReply(id=msg.id, result={"lora_name": msg.args["name"]})
         raise InvalidRequestError(f"unknown engine command {msg.command!r}")
     except Exception as e:  # noqa: BLE001 -- the admin route reports it; the engine keeps serving
         err = e if isinstance(e, SluiceError) else SluiceError(f"{type(e).__name__}: {e}")
         return EngineControlReply(id=msg.id, error=EngineError.from_exception(err))
+
+
+def _load_reply(control_id: int, rec: LoRALoadRecord) -> EngineControlReply:
+    if rec.error is not None:
+        err = EngineError(type="invalid_request_error", message=rec.error, code="invalid_lora_adapter", param="lora_path")
+        return EngineControlReply(id=control_id, error=err)
+    return EngineControlReply(id=control_id, result={"lora_name": rec.adapter, "lora_path": rec.path,
+                                                     "load_seconds": rec.end - rec.start, "num_bytes": rec.num_bytes})  # fmt: skip
 
 
 def _rejection(request_id: str, e: SluiceError) -> EngineOutput:

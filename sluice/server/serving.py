@@ -75,6 +75,7 @@ class Prepared:
     request: CompletionRequest | ChatCompletionRequest
     prompts: list[list[int]]
     sampling: SamplingParams
+    lora_name: str | None = None  # the LoRA adapter the request's model names; None: the base model
 
 
 class OpenAIServing:
@@ -98,6 +99,7 @@ class OpenAIServing:
         self.model_info = model_info
         self.served_model_name = served_model_name
         self.model_names = {served_model_name, *model_aliases}
+        self.lora_adapters: dict[str, str] = {}  # LoRA adapter name -> path, as the engine registered them
         self.keys = keys
         self.rate_limiter = rate_limiter
         self.admission = admission
@@ -127,11 +129,14 @@ class OpenAIServing:
         assert ctx.key is not None
         ctx.priority = ctx.key.cap(p)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ModelNotFoundError(
-                f"model {model!r} is not served here; available: {self.served_model_name!r}"
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); ``ModelNotFoundError`` for anything else."""
+        if model is None or model in self.model_names:
+            return None
+        if model in self.lora_adapters:
+            return model
+        available = ", ".join(repr(m) for m in [self.served_model_name, *sorted(self.lora_adapters)])
+        raise ModelNotFoundError(f"model {model!r} is not served here; available: {available}")
 
     async def prepare(self, ctx: RequestContext, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
         span = self.tracing.tracer.start_span("tokenize", context=_ctx_of(ctx.span))
@@ -202,6 +207,9 @@ class OpenAIServing:
         reqs: list[EngineRequest] = []
         choices: list[Choice] = []
         trace_id = format(ctx.span.get_span_context().trace_id, "032x")
+        # NOTE(lora-trace): the engine reports an adapter load this request causes with this
+        # context, and the load's span becomes a child of the request's span
+        traceparent = self.tracing.traceparent(ctx.span) if prep.lora_name is not None else None
         for pi, prompt in enumerate(prep.prompts):
             for j in range(n):
                 index = pi * n + j
@@ -219,6 +227,8 @@ class OpenAIServing:
                         arrival_time=ctx.arrival,
                         trace_id=trace_id,
                         ttft_target=ttft_target,
+                        lora_name=prep.lora_name,
+                        traceparent=traceparent,
                     )
                 )
                 det = self.codec.detokenizer(list(sp.stop), sp.skip_special_tokens, prompt)
@@ -274,7 +284,7 @@ class OpenAIServing:
     def renderer(self, ctx: RequestContext, prep: Prepared) -> Renderer:
         cls = ChatRenderer if prep.kind == "chat" else CompletionRenderer
         prefix = "chatcmpl-" if prep.kind == "chat" else "cmpl-"
-        return cls(prefix + ctx.request_id, self.served_model_name, int(time.time()), self.token_text)
+        return cls(prefix + ctx.request_id, prep.lora_name or self.served_model_name, int(time.time()), self.token_text)
 
     def token_text(self, token_id: int) -> str:
         s = self._token_text_cache.get(token_id)
@@ -349,7 +359,7 @@ class OpenAIServing:
             "status": ctx.status,
             "priority": label,
             "key": ctx.key.name if ctx.key else None,
-            "model": self.served_model_name,
+            "model": ctx.extra.get("lora_name") or self.served_model_name,
             "stream": ctx.stream,
             "prompt_tokens": ctx.prompt_tokens,
             "completion_tokens": gen.num_generated if gen else 0,

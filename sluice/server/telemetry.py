@@ -31,6 +31,19 @@ SLO admission (issue 11; ``sluice.server.admission``)::
     sluice_engine_step_time_base_seconds               gauge: fitted fixed cost of an engine step
     sluice_engine_step_time_per_token_seconds          gauge: fitted cost per batched token
     sluice_engine_prefill_tokens_pending{priority}     gauge: tokens still to prefill in the engine
+
+LoRA adapters (issue 13; ``sluice.server.lora_routes``)::
+
+    sluice_lora_adapter_loaded{adapter}              gauge: 1 in memory, 0 registered only (gateway routing)
+    sluice_lora_loaded_adapters / _active_adapters   gauges: in memory / used by running requests
+    sluice_lora_max_active_adapters                  gauge: --max-loras
+    sluice_lora_requests_waiting_for_load            gauge
+    sluice_lora_loads_total / _load_failures_total / _evictions_total   counters
+    sluice_lora_load_seconds                         histogram, one sample per finished load
+
+``record_lora_loads`` turns the engine's ``LoRALoadRecord`` s into the load
+histogram and ``lora_load`` spans, children of the span that caused each load
+(its ``traceparent``: a request's, or the load endpoint's).
 """
 
 from __future__ import annotations
@@ -43,13 +56,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from sluice.engine.protocol import EngineStats, RequestTimings
+from sluice.engine.protocol import EngineStats, LoRALoadRecord, RequestTimings
 from sluice.obs.host import HostCollector
 from sluice.obs.tracing import Tracing
 
-__all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST", "record_stages"]
+__all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST", "record_stages", "record_lora_loads"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 PRIORITIES = ("p0", "p1", "p2")
 _ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -73,6 +87,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
         self.info = Gauge("sluice_model_info", "The served model (value 1).", ["model"], registry=r)
+        self.lora_load_time = Histogram("sluice_lora_load_seconds", "LoRA adapter load time (read, check, pack).", registry=r, buckets=_LOAD_BUCKETS)
         if model_name:
             self.info.labels(model=model_name).set(1)
         self.predicted = Histogram("sluice_admission_predicted_ttft_seconds", "Predicted TTFT of each admitted request.", lab, registry=r, buckets=_LATENCY_BUCKETS)
@@ -162,6 +177,26 @@ class EngineStatsCollector(Collector):
             g.add_metric([p], v)
         yield g
 
+        if s.lora is not None:
+            yield from _lora_metrics(s)
+
+
+def _lora_metrics(s: EngineStats) -> Iterator[Metric]:
+    lo = s.lora
+    assert lo is not None
+    loaded = set(lo.loaded)
+    g = GaugeMetricFamily("sluice_lora_adapter_loaded", "Registered LoRA adapters: 1 in memory, 0 loaded on first use.", labels=["adapter"])
+    for name in lo.adapters:
+        g.add_metric([name], 1.0 if name in loaded else 0.0)
+    yield g
+    yield GaugeMetricFamily("sluice_lora_loaded_adapters", "LoRA adapters in memory.", value=len(lo.loaded))
+    yield GaugeMetricFamily("sluice_lora_active_adapters", "LoRA adapters used by running requests.", value=len(lo.active))
+    yield GaugeMetricFamily("sluice_lora_max_active_adapters", "LoRA adapters one engine step may hold (--max-loras).", value=lo.max_loras)
+    yield GaugeMetricFamily("sluice_lora_requests_waiting_for_load", "Requests waiting for their LoRA adapter to load.", value=lo.num_waiting_for_load)
+    yield CounterMetricFamily("sluice_lora_loads", "LoRA adapter loads that succeeded.", value=lo.num_loads)
+    yield CounterMetricFamily("sluice_lora_load_failures", "LoRA adapter loads that failed.", value=lo.num_load_failures)
+    yield CounterMetricFamily("sluice_lora_evictions", "LoRA adapters evicted from memory (least recently used).", value=lo.num_evictions)
+
 
 class SloSignalCollector(Collector):
     """The predicted-wait signal, computed at scrape time: (predicted TTFT, target) per class.
@@ -202,3 +237,30 @@ def record_stages(tracing: Tracing, parent: Span, t: RequestTimings | None, attr
     for name, start, end in stages:
         if start is not None and end is not None:
             tracing.record_span(parent, name, start, end, attributes)
+
+
+def record_lora_loads(tracing: Tracing, metrics: ServerMetrics, records: list[LoRALoadRecord]) -> None:
+    """Finished adapter loads: the load-time histogram, and one ``lora_load`` span each, child of the
+    span that caused it (its ``traceparent``)."""
+    from opentelemetry.trace import Status, StatusCode
+
+    for rec in records:
+        if rec.error is None:
+            metrics.lora_load_time.observe(max(0.0, rec.end - rec.start))
+        if not rec.traceparent:
+            continue  # start-up loads belong to no request
+        attributes: dict[str, str | int | float] = {
+            "sluice.lora.adapter": rec.adapter,
+            "sluice.lora.path": rec.path,
+            "sluice.lora.bytes": rec.num_bytes,
+            "sluice.lora.duration_s": max(0.0, rec.end - rec.start),
+            "sluice.lora.cause": rec.cause,
+        }
+        if rec.request_id:
+            attributes["sluice.engine_request_id"] = rec.request_id
+        span = tracing.tracer.start_span("lora_load", context=tracing.extract({"traceparent": rec.traceparent}),
+                                         start_time=tracing.to_ns(rec.start), attributes=attributes)  # fmt: skip
+        if rec.error is not None:
+            span.set_attribute("sluice.lora.error", rec.error)
+            span.set_status(Status(StatusCode.ERROR, rec.error))
+        span.end(end_time=tracing.to_ns(max(rec.start, rec.end)))

@@ -10,7 +10,10 @@ real server without a model:
 - greedy (temperature 0): letters ``a..z`` cycling from ``sum(prompt) % 26``;
   sampled: letters from ``random.Random(seed)`` (reproducible with a seed);
 - KV accounting like the real engine: ``ceil(tokens / 16)`` blocks per request;
-- the real engine's request validation (``sluice.engine.validation``).
+- the real engine's request validation (``sluice.engine.validation``);
+- LoRA adapters by name (``--lora-modules``, the load endpoint): any existing
+  directory loads (after ``lora_load_delay`` seconds, off the step loop like the
+  real engine), requests for an unknown name are refused with 404.
 
 ``FakeCodec`` is a byte tokenizer: ids 0..255 are bytes, 256 is BOS, 257 EOS.
 
@@ -34,10 +37,13 @@ from sluice.engine.protocol import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    LoRALoadRecord,
+    LoRAStats,
     RequestTimings,
     TokenLogprobs,
 )
 from sluice.engine.validation import validate_request
+from sluice.errors import InvalidRequestError, ModelNotFoundError
 
 __all__ = ["FakeEngineCore", "FakeCodec", "FakeDetokenizer", "BOS", "EOS", "VOCAB_SIZE"]
 
@@ -62,6 +68,7 @@ class FakeEngineCore:
         num_blocks: int = 4096,
         max_model_len: int = 512,
         load_delay: float = 0.0,
+        lora_load_delay: float = 0.0,
     ):
         time.sleep(load_delay)  # a slow model load, for /health tests
         self.config = config
@@ -85,11 +92,19 @@ class FakeEngineCore:
         self.running: list[_Req] = []
         self.to_abort: set[str] = set()
         self.num_steps = 0
+        self.lora_load_delay = lora_load_delay
+        self.adapters: dict[str, str] = dict(config.lora_module_paths)  # name -> path
+        self.pending_loads: list[LoRALoadRecord] = []  # loading: done at .end
+        self.lora_records: list[LoRALoadRecord] = []
+        self.num_lora_loads = 0
+        self.next_ticket = 1
 
     # -- EngineCore interface ------------------------------------------------------
 
     def add_request(self, req: EngineRequest) -> None:
         validate_request(req.prompt_token_ids, req.sampling, self.model_info, req.priority)
+        if req.lora_name is not None and req.lora_name not in self.adapters:
+            raise ModelNotFoundError(f"model {req.lora_name!r} is not served here (no such LoRA adapter)")
         if req.arrival_time == 0.0:
             req.arrival_time = time.monotonic()
         rng = random.Random(req.sampling.seed)  # seed None: OS entropy
@@ -149,6 +164,39 @@ class FakeEngineCore:
             outs.append(self._output(r, [tok], lp, finish_reason=reason, now=time.monotonic()))
         return outs
 
+    # -- LoRA adapters -------------------------------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str, traceparent: str | None = None) -> int:
+        import os
+
+        if name in self.adapters:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is already loaded", param="lora_name")
+        ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+        now = time.monotonic()
+        error = None if os.path.isdir(path) else f"LoRA adapter path {path!r} is not a directory"
+        self.pending_loads.append(LoRALoadRecord(adapter=name, path=path, start=now, end=now + self.lora_load_delay,
+                                                 num_bytes=1024, cause="admin", traceparent=traceparent,
+                                                 ticket=ticket, error=error))  # fmt: skip
+        return ticket
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise ModelNotFoundError(f"LoRA adapter {name!r} is not loaded", param="lora_name")
+
+    def take_lora_loads(self) -> list[LoRALoadRecord]:
+        now = time.monotonic()
+        for rec in [r for r in self.pending_loads if r.end <= now]:
+            self.pending_loads.remove(rec)
+            if rec.error is None:
+                self.adapters[rec.adapter] = rec.path
+                self.num_lora_loads += 1
+            self.lora_records.append(rec)
+        out, self.lora_records = self.lora_records, []
+        return out
+
+    def has_pending_lora_loads(self) -> bool:
+        return bool(self.pending_loads)
+
     def make_stats(self) -> EngineStats:
         used = self.num_blocks - self.num_free_blocks
         run = [0, 0, 0]
@@ -177,6 +225,8 @@ class FakeEngineCore:
             step_time_base=self.step_delay,
             max_num_batched_tokens=1 << 20,
             max_num_seqs=self.config.max_num_seqs,
+            lora=LoRAStats(max_loras=self.config.max_loras, adapters=sorted(self.adapters),
+                           loaded=sorted(self.adapters), num_loads=self.num_lora_loads),  # fmt: skip
         )
 
     # -- internals -----------------------------------------------------------------
