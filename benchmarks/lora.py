@@ -38,12 +38,20 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from benchmarks._report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
-from benchmarks.serving import Result, Server, _pct, _wait_url, make_prompts, one_request  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    Result,
+    Server,
+    _pct,
+    _wait_line,
+    make_prompts,
+    one_request,
+    served_model_id,
+    sluice_details,
+)
 
 TARGETS = {"qv": ("q_proj", "v_proj"), "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
            "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}  # fmt: skip
@@ -73,9 +81,10 @@ def start_server(args: argparse.Namespace, adapters: dict[str, Path]) -> Server:
         cmd += ["--num-threads", str(args.num_threads)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = _wait_url(proc, r"ready in .* at (http://\S+)", 600)
-    base = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    return Server("sluice", proc, url, base, time.monotonic() - t0)
+    m, seen = _wait_line(proc, r"ready in .* at (http://\S+)", 900)
+    url = m.group(1)
+    details = sluice_details(seen, []) + (f", {args.num_threads} threads" if args.num_threads else "")
+    return Server("sluice", proc, url, served_model_id(url), time.monotonic() - t0, details)
 
 
 async def run(server: Server, concurrency: int, prompts: list[list[int]], models: list[str]) -> dict[str, Any]:
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"benchmark": "lora", "model": args.model, "rank": args.rank, "targets": TARGETS[args.targets],
               "engine_threads": args.num_threads or "default", "levels": rows, "first_after_load": out["first_after_load"],
               "checks": checks, "meets_targets": checks[f"8_adapters_c{top}_vs_base"] >= 0.8 and checks[f"1_adapter_c{top}_vs_base"] >= 0.9,
-              "peak_rss_mib": server.peak_rss / 2**20, "machine": machine_line()}  # fmt: skip
+              "peak_rss_mib": server.peak_rss / 2**20, "server": server.details, "machine": machine_line()}  # fmt: skip
     table = markdown_table(
         ["concurrency", "adapters", "output tok/s", "vs base", "TTFT p50 s", "TTFT p95 s", "errors"],
         [[r["concurrency"], r["adapters"], r["output_tok_per_s"], f"{r['vs_base']:.0%}", r["ttft_p50_s"],
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     print(loads)
     if not args.no_write:
         write_section("lora", f"## LoRA adapters (`benchmarks/lora.py`)\n\n{args.model}, rank {args.rank} on "
-                      f"{', '.join(TARGETS[args.targets])}, prompts of 128 tokens, 64 output tokens; {machine_line()}.\n\n"
+                      f"{', '.join(TARGETS[args.targets])}, prompts of 128 tokens, 64 output tokens; {server.details}; "
+                      f"{machine_line()}.\n\n"
                       f"{table}\n\n{loads}\n")  # fmt: skip
     print_json_last(result)
 

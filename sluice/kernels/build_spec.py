@@ -30,4 +30,7 @@ EXTENSIONS: dict[str, tuple[str, list[str], list[str]]] = {
         ["qgemm.cpp", "ops.cpp", "qlinear_op.cpp", "quant_bindings.cpp"],
         ["-O3", "-fopenmp", "-ffp-contract=off"],
     ),
+    # lora: the LoRA deltas of a step, one call per seam for every adapter group
+    # (sluice/models/lora.py); no FP contraction, like quant: batch invariant.
+    "lora": ("sluice.kernels._C_lora", ["lora.cpp"], ["-O3", "-fopenmp", "-ffp-contract=off"]),
 }

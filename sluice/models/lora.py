@@ -15,16 +15,19 @@ onto the fused matrices of ``models/llama.py`` ("seams")::
                                                      │ 0   Bk  0  │  each target's B (times s)
                                                      └ 0   0   Bv ┘  in its rows, zeros elsewhere
 
-so a layer's deltas are four shrink/expand pairs (``Seam``), two C++ calls
-each; the expand adds into the base output in place (the kernel's residual
-epilogue).  Targets an adapter lacks are absent rows of A and zero blocks of B.
+so a layer's deltas are four shrink/expand pairs (``Seam``).  In float32 on
+the CPU one seam of a step is one C++ call for every adapter group
+(``lora_apply``, sluice/kernels/csrc/lora.cpp), each target's B writing its own
+output columns (no zero blocks).  Elsewhere (other dtypes, CUDA, no compiler)
+each group runs A then the block matrix B drawn above as two ``Linear`` s.
+Either way the expand adds into the base output in place.
 
 NOTE(lora-invariance): the base layers are batch invariant (a row's result
-never depends on its neighbours); the deltas keep that.  A and B are float32
-parts of sluice's fixed-order kernel (``make_linear(..., invariant=True)``,
-not BLAS), each group's rows are contiguous views of the batch, and a delta
-is added once per row in a fixed order, so a request's logits are the same
-bits alone or next to any other adapters.  A batch with adapter rows runs the
+never depends on its neighbours); the deltas keep that.  A and B run a
+fixed-order float kernel (each output is an in-order FMA chain over its row,
+as in ``make_linear(..., invariant=True)``; not BLAS), each group's rows are
+contiguous in the batch, and a delta is added once per row in a fixed order,
+so a request's logits are the same bits alone or next to any other adapters.  A batch with adapter rows runs the
 layer as the unfused sequence of the same C++ ops the fused calls are made of
 (rms_norm, the linear ops, rope_qk, silu_mul), which gives the base rows the
 same bits as the fused path; a batch without adapter rows never comes here.
@@ -43,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sluice.errors import InvalidRequestError
+from sluice.kernels import ext
 from sluice.kernels import qlinear as ql
-from sluice.kernels.linear import KernelPlan, Linear, make_linear
+from sluice.kernels.linear import KernelPlan, Linear, make_linear, pack_fp32
 
 if TYPE_CHECKING:
     from sluice.models.config import ModelConfig
@@ -161,22 +165,21 @@ def read_peft_config(path: str | Path) -> PeftConfig:
 
 @dataclass
 class Seam:
-    """The delta of one fused matrix: ``out += b(a(x))``, ``a``: (R, in), ``b``: (out, R)."""
+    """The delta of one fused matrix: ``out += B (A x)``, A: (R, in), B: (out, R).
 
-    a: Linear
-    b: Linear
+    ``op``: the C++ ``LoRASeam`` (float32 on the CPU; run by ``LoRABatch`` for all groups at
+    once); else ``a`` and ``b``, two ``Linear`` s run group by group (``add``).
+    """
+
+    op: Any = None
+    a: Linear | None = None
+    b: Linear | None = None
+    nbytes: int = 0
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += B (A x), in place; ``x`` (n, in) and ``out`` (n, out) may be row views of the batch."""
-        a_op, b_op = self.a.op, self.b.op
-        if a_op is not None and b_op is not None and x.dtype == torch.float32:
-            b_op.forward(a_op.forward(x), out)  # the two C++ calls, without the Linear wrapper
-        else:
-            self.b(self.a(x), residual=out)
-
-    @property
-    def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
+        assert self.a is not None and self.b is not None
+        self.b(self.a(x), residual=out)
 
 
 @dataclass
@@ -199,6 +202,7 @@ class LoRAAdapter:
     digest: str  # blake2b of the config and weight files: the adapter's content identity
     num_file_bytes: int  # bytes read from disk
     num_bytes: int = 0  # bytes held in memory (packed)
+    isa: int = -1  # its C++ seams' path: 0 scalar, 1 AVX2, 2 AVX-512 (the model's kernel plan); -1: Linear seams
 
     @property
     def targets(self) -> list[str]:
@@ -314,10 +318,10 @@ def load_lora(path: str | Path, model: LlamaForCausalLM, *, max_rank: int | None
     cfg = model.cfg
     dtype = model.dtype
     device = model.rope_cos.device
-    # NOTE(lora-kernel): float32 on the CPU uses the batch-invariant float kernel;
-    # other dtypes/devices keep plain dense matrices (torch matmul).
-    invariant = dtype == torch.float32 and device.type == "cpu"
-    plan = _kernel_plan(model) if invariant else None
+    # NOTE(lora-kernel): float32 on the CPU runs the C++ seams (one call per seam and step);
+    # other dtypes/devices, or no compiler, keep Linears (dense matrices, torch matmul).
+    lora_ext = _lora_ext() if dtype == torch.float32 and device.type == "cpu" else None
+    plan = _kernel_plan(model) if dtype == torch.float32 and device.type == "cpu" else None
     sizes = {t: s[0] for t, s in _shapes(cfg).items()}
     layers = [LayerLoRA() for _ in range(cfg.num_layers)]
     seam_targets: dict[str, list[str]] = {s: [t for t, (seam, _) in TARGETS.items() if seam == s] for s in SEAMS}
@@ -328,22 +332,49 @@ def load_lora(path: str | Path, model: LlamaForCausalLM, *, max_rank: int | None
                 continue
             a = torch.cat([deltas[(li, t)][0] for t in present])  # (R, in)
             width = sum(sizes[t] for t in targets)
-            b = torch.zeros(width, a.shape[0])  # (out, R): block "diagonal", zeros where a target is absent
+            parts: list[tuple[torch.Tensor, int, int]] = []  # (s * B_t (n, r), first output column, first A row)
             row, col = 0, 0
             for t in targets:
                 if t in present:
-                    _, bt, s = deltas[(li, t)]
-                    r = bt.shape[1]
-                    b[row : row + sizes[t], col : col + r] = bt * s
-                    col += r
+                    _, bt, scale = deltas[(li, t)]
+                    parts.append((bt * scale, row, col))
+                    col += bt.shape[1]
                 row += sizes[t]
-            layer.seams[seam] = Seam(_linear(a, dtype, device, invariant, plan), _linear(b, dtype, device, invariant, plan))
+            if lora_ext is not None:
+                layer.seams[seam] = _cpp_seam(lora_ext, a, parts, width)
+            else:
+                b = torch.zeros(width, a.shape[0])  # (out, R): block "diagonal", zeros where a target is absent
+                for bt, r0, c0 in parts:
+                    b[r0 : r0 + bt.shape[0], c0 : c0 + bt.shape[1]] = bt
+                la, lb = _linear(a, dtype, device, plan), _linear(b, dtype, device, plan)
+                layer.seams[seam] = Seam(a=la, b=lb, nbytes=la.nbytes + lb.nbytes)
     adapter = LoRAAdapter(name or p.name, str(p), pcfg, rank, layers, digest, num_file_bytes)
     adapter.num_bytes = sum(s.nbytes for layer in layers for s in layer.seams.values())
+    if lora_ext is not None and plan is not None:
+        adapter.isa = 0 if plan.default == ql.Path.SCALAR else 2 if plan.default == ql.Path.AVX512VNNI else 1
     return adapter
 
 
-def _linear(w: torch.Tensor, dtype: torch.dtype, device: torch.device, invariant: bool, plan: KernelPlan | None) -> Linear:
+def _lora_ext() -> Any:
+    try:
+        return ext.load("lora")
+    except Exception:  # noqa: BLE001 -- no compiler: the Linear path serves
+        return None
+
+
+def _cpp_seam(lora_ext: Any, a: torch.Tensor, parts: list[tuple[torch.Tensor, int, int]], width: int) -> Seam:
+    a_packed = pack_fp32(a)
+    op = lora_ext.LoRASeam(a_packed, a.shape[0], a.shape[1], width)
+    nbytes = a_packed.numel() * 4
+    for bt, r0, c0 in parts:
+        b_packed = pack_fp32(bt)  # (n, r) -> (ceil(n/16), r, 16)
+        op.add_part(b_packed, bt.shape[0], bt.shape[1], r0, c0)
+        nbytes += b_packed.numel() * 4
+    return Seam(op=op, nbytes=nbytes)
+
+
+def _linear(w: torch.Tensor, dtype: torch.dtype, device: torch.device, plan: KernelPlan | None) -> Linear:
+    invariant = plan is not None  # float32 on the CPU: the fixed-order float kernel
     lin = make_linear([w if invariant else w.to(dtype)], invariant=invariant)
     lin.to(device)
     if plan is not None:
@@ -371,15 +402,21 @@ class LoRABatch:
 
     def __init__(self, groups: list[LoRAGroup]):
         self.groups = groups
+        self._ext = _lora_ext() if groups and groups[0].adapter.isa >= 0 else None
 
     def __bool__(self) -> bool:
         return bool(self.groups)
 
     def _add(self, idx: int, seam: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        for g in self.groups:
-            s = g.adapter.layers[idx].seams.get(seam)
-            if s is not None:
-                s.add(x[g.start : g.end], out[g.start : g.end])
+        used = [(g, s) for g in self.groups if (s := g.adapter.layers[idx].seams.get(seam)) is not None]
+        if not used:
+            return
+        if used[0][1].op is not None:  # one C++ call for every group (NOTE(lora-one-call) in lora.cpp)
+            self._ext.lora_apply(x, out, [g.start for g, _ in used], [g.end for g, _ in used],
+                                 [s.op for _, s in used], used[0][0].adapter.isa)  # fmt: skip
+            return
+        for g, s in used:
+            s.add(x[g.start : g.end], out[g.start : g.end])
 
     def forward_layer(
         self, layer: DecoderLayer, idx: int, x: torch.Tensor, rope: Rope, attention: AttentionFn
