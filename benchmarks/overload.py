@@ -254,16 +254,17 @@ async def capacity(server: Server, concurrency: int, seconds: float, max_tokens:
         async def user(k: int) -> None:
             nonlocal done
             i = 0
-            while time.perf_counter() < t_end:
+            # a slow server: the window grows (up to 4x) until 2 x concurrency requests completed
+            while (now := time.perf_counter()) < t_end or (done < 2 * concurrency and now < t0 + 4 * seconds):
                 r = await send(s, server, 100_000 * k + i, _classes(rng, 1)[0], max_tokens, t0, 120)
-                if t_warm <= time.perf_counter() <= t_end:
+                if t_warm <= time.perf_counter():
                     done += r.is_served
                 if r.status == 429:
                     await asyncio.sleep(0.05)
                 i += 1
 
         await asyncio.gather(*(user(k) for k in range(concurrency)))
-        return done / (t_end - t_warm)
+        return max(1, done) / (time.perf_counter() - t_warm)
 
 
 async def load_step(server: Server, rate: float, seconds: float, max_tokens: int, seed: int,
@@ -286,17 +287,20 @@ async def load_step(server: Server, rate: float, seconds: float, max_tokens: int
         prober = asyncio.create_task(probe())
         tasks = []
         t, i = 0.0, 0
-        while True:
-            t += rng.expovariate(rate)
-            if t >= seconds:
-                break
-            delay = t0 + t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(s, server, i, _classes(rng, 1)[0], max_tokens, t0, timeout)))
-            i += 1
-        records = list(await asyncio.gather(*tasks))
-        await prober
+        try:
+            while True:
+                t += rng.expovariate(rate)
+                if t >= seconds:
+                    break
+                delay = t0 + t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(send(s, server, i, _classes(rng, 1)[0], max_tokens, t0, timeout)))
+                i += 1
+            records = list(await asyncio.gather(*tasks))
+            await prober
+        finally:
+            prober.cancel()
     return records, health
 
 
