@@ -348,6 +348,37 @@ def summarize(records: list[Record], health: list[float], targets: dict[str, flo
     return out
 
 
+_SERVER_SERIES = ("sluice_time_to_first_token_seconds", "sluice_queue_time_seconds")
+
+
+async def server_sums(server: Server) -> dict[str, float]:
+    """``{series:class: (sum, count)}`` of the server-side TTFT and queue-time histograms (sluice only)."""
+    out: dict[str, float] = {}
+    if server.name != "sluice":
+        return out
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with aiohttp.ClientSession() as s, asyncio.timeout(10), s.get(server.url + "/metrics") as r:
+            text = await r.text()
+        for line in text.splitlines():
+            for series in _SERVER_SERIES:
+                for part in ("_sum", "_count"):
+                    if line.startswith(series + part + "{"):
+                        c = line.split('priority="', 1)[1][:2]
+                        out[f"{series}{part}:{c}"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean server-side TTFT and queue time per class over one step (from histogram deltas)."""
+    out: dict[str, float | None] = {}
+    for series in _SERVER_SERIES:
+        for c in CLASSES:
+            n = after.get(f"{series}_count:{c}", 0.0) - before.get(f"{series}_count:{c}", 0.0)
+            total = after.get(f"{series}_sum:{c}", 0.0) - before.get(f"{series}_sum:{c}", 0.0)
+            out[f"{series.removeprefix('sluice_')}_mean:{c}"] = total / n if n > 0 else None
+    return out
+
+
 async def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     lone = await lone_ttft(server, args.max_tokens)
     cap = await capacity(server, args.concurrency, args.calibrate_s, args.max_tokens, args.seed)
@@ -357,13 +388,19 @@ async def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]
     steps: dict[str, Any] = {}
     for k, mult in enumerate(MULTIPLIERS):
         t = time.monotonic()
+        before = await server_sums(server)
         records, health = await load_step(server, mult * cap, args.step_s, args.max_tokens, args.seed + k,
                                           args.timeout)  # fmt: skip
         steps[f"{mult:g}"] = summarize(records, health, targets, args.step_s)
         s = steps[f"{mult:g}"]
+        if before:  # NOTE(server-side): sluice's own view, to tell engine waits from HTTP/CPU contention
+            s["server_side"] = server_means(before, await server_sums(server))
         print(f"  {mult:g}x: {len(records)} requests in {time.monotonic() - t:.0f} s; attainment "
               + " / ".join(f"{s['classes'][c]['attainment'] or 0:.0%}" for c in CLASSES)
-              + f"; goodput {s['goodput_rps']:.2f} req/s", file=sys.stderr)  # fmt: skip
+              + f"; goodput {s['goodput_rps']:.2f} req/s; p0 TTFT p50/p99 {_fmt(s['classes']['p0']['ttft_p50_s'])}/"
+              + f"{_fmt(s['classes']['p0']['ttft_p99_s'])} s"
+              + (f" (server-side mean {_fmt(s['server_side']['time_to_first_token_seconds_mean:p0'])} s)"
+                 if "server_side" in s else ""), file=sys.stderr)  # fmt: skip
         await asyncio.sleep(args.pause_s)
     return {"lone_ttft_s": lone, "capacity_rps": cap, "targets_s": targets, "steps": steps}
 

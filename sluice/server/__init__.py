@@ -5,7 +5,8 @@
     generation.py   engine outputs -> text deltas (detokenize, stop strings, aborts)
     render.py       OpenAI response / SSE chunk shapes
     engine_client.py / engine_proc.py / ipc.py   the engine core process over ZeroMQ
-    admission.py    bounded queue, lowest class shed first (pure)
+    admission.py    admission by predicted TTFT vs the class's target, lowest class shed first (pure)
+    slo.py          per-class TTFT targets (--slo) and the TTFT prediction model (pure)
     runner.py       uvicorn, SIGTERM drain, exit codes;  cli.py  the ``serve`` command
     testing.py      fake engine core + byte codec for tests
 """
