@@ -83,6 +83,7 @@ class EngineCore:
         self._last_step_time = 0.0
         self._last_batched = 0
         self._last_budget = config.max_num_batched_tokens
+        self._last_seq_limit = config.max_num_seqs
         self.step_model = StepTimeModel()
         self._last_step: tuple[int, float, float] | None = None  # (tokens, start, end) of the previous busy step
         self.model_info = ModelInfo(
@@ -166,6 +167,7 @@ class EngineCore:
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
             self._last_budget = sched.token_budget
+            self._last_seq_limit = sched.seq_limit
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, t0, t1)
@@ -257,7 +259,7 @@ class EngineCore:
             step_time_base=self.step_model.base,
             step_time_per_token=self.step_model.per_token,
             max_num_batched_tokens=self._last_budget,
-            max_num_seqs=sch.max_num_seqs,
+            max_num_seqs=self._last_seq_limit,
             lora=self.lora.make_stats(
                 {r.lora_id for r in sch.running if r.lora_id},
                 sum(1 for r in sch.waiting if r.lora_id and not self.lora.is_ready(r)),

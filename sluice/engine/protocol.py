@@ -209,7 +209,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time_base: float = 0.0  # seconds: fitted fixed cost of a step (a in a + b * batched tokens)
     step_time_per_token: float = 0.0  # seconds per batched token (b); both 0 until measured
     max_num_batched_tokens: int = 0  # the last step's token budget (bounded under tight targets; 0: unknown)
-    max_num_seqs: int = 0  # running sequences cap (0: unknown)
+    max_num_seqs: int = 0  # the last step's running-sequences limit (fewer under a bounded budget; 0: unknown)
     lora: LoRAStats | None = None  # None: the engine serves no adapters
 
 

@@ -80,6 +80,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     token_budget: int = 0  # this step's budget (max_num_batched_tokens, or less to bound the step's time)
+    seq_limit: int = 0  # running requests it admits up to (max_num_seqs, or fewer with a bounded budget)
     prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     @property
@@ -95,6 +96,7 @@ class _Step:
     budget: int  # tokens left of max_num_batched_tokens
     by_id: dict[str, ScheduledRequest]  # request_id -> its entry in out.scheduled
     now: float  # monotonic
+    seq_limit: int  # running requests this step admits up to (max_num_seqs, or fewer: NOTE(bounded-slots))
     adapters: set[int] = field(default_factory=set)  # lora_id of running requests (and admitted this step)
     passed_over: list[Request] = field(default_factory=list)  # waiting adapter requests set aside this step
 
@@ -228,7 +230,15 @@ class Scheduler:
     def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
         """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``)."""
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
-        step = _Step(SchedulerOutput(), budget, {}, self.clock())
+        # NOTE(bounded-slots): with the budget bounded below max_num_batched_tokens,
+        # more running requests than half the budget could not all decode each step
+        # and leave no tokens for prefills: the starved ones would hold slots and
+        # blocks for nothing, and be preempted for nothing.  New admissions then stop
+        # at half the budget (running requests are never preempted for it).
+        seq_limit = self.max_num_seqs
+        if budget < self.max_num_batched_tokens:
+            seq_limit = min(seq_limit, max(1, budget // 2))
+        step = _Step(SchedulerOutput(seq_limit=seq_limit), budget, {}, self.clock(), seq_limit)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         self.running.sort(key=self._order_key)
         # 1: running decodes, most urgent first, one token each
@@ -336,7 +346,7 @@ class Scheduler:
         num_cached_tokens = len(cached) * bm.block_size
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
         lower = [r for r in self.running if r.priority > req.priority]
-        if len(self.running) - len(lower) >= self.max_num_seqs:
+        if len(self.running) - len(lower) >= step.seq_limit:
             return False  # every slot is held by this class or a higher one
         if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
             return False  # even preempting every lower class would not make it fit
@@ -345,7 +355,12 @@ class Scheduler:
         # newest first, by recompute: on CPU, recomputing a short prefix costs
         # less than copying its blocks out and back (no swap space), and the
         # victim's full blocks stay in the prefix cache until evicted.
-        while len(self.running) >= self.max_num_seqs or not bm.can_allocate(req, num_cached_tokens + n, cached):
+        if len(self.running) >= step.seq_limit:  # one slot, even when the limit fell below the running count
+            victim = self._lower_victim(req.priority)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        while not bm.can_allocate(req, num_cached_tokens + n, cached):
             victim = self._lower_victim(req.priority)
             if victim is None:
                 return False

@@ -185,7 +185,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
         # NOTE(slot-turnover): with every slot held, one frees every
         # mean_output_tokens / max_num_seqs steps on average
         full_step = load.step_time(min(load.max_num_batched_tokens, load.max_num_seqs + per_step / 2))
-        wait_steps = short * max(1.0, load.mean_output_tokens) / load.max_num_seqs
+        decoding = max(1, min(load.max_num_seqs, load.max_num_batched_tokens))  # slots that decode each step
+        wait_steps = short * max(1.0, load.mean_output_tokens) / decoding
         slot_bound = wait_steps * full_step + unloaded_ttft(load, num_prompt_tokens + decodes)
     current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)))
     return max(prefill_bound, slot_bound) + 0.5 * current

@@ -245,3 +245,18 @@ def test_engine_bounds_its_steps_while_tight_targets_are_about(tiny_llama: Path)
     assert engine._token_budget() == 100, "a step may take a third of 0.33 s: (0.11 - 0.01) / 0.001 tokens"
     engine.step()
     assert engine.make_stats().max_num_batched_tokens == 100, "the stats report the bounded budget"
+
+
+def test_bounded_budget_admits_up_to_half_of_it_and_a_p0_takes_just_one_slot() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=16)
+    for i in range(12):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, num_tokens=4, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    assert len(sched.running) == 12, "full budget: up to max_num_seqs"
+    sched.add_request(make_request("p2-late", Priority.P2, num_tokens=4, arrival=30.0))
+    out = sched.schedule(token_budget=16)
+    assert out.seq_limit == 8 and "p2-late" not in scheduled_ids(out), "bounded to 16 tokens: no new admission past 8"
+    apply(sched, out)
+    sched.add_request(make_request("p0", Priority.P0, num_tokens=4, arrival=40.0))
+    out = sched.schedule(token_budget=16)
+    assert "p0" in scheduled_ids(out) and len(out.preempted) == 1, "a P0 takes one slot, not 5 to get under the limit"
