@@ -260,6 +260,7 @@ class EngineCore:
             step_time_per_token=self.step_model.per_token,
             max_num_batched_tokens=self._last_budget,
             max_num_seqs=self._last_seq_limit,
+            seq_limit_by_priority=[sch.seq_limit_for(p, self._last_seq_limit) for p in range(3)],
             lora=self.lora.make_stats(
                 {r.lora_id for r in sch.running if r.lora_id},
                 sum(1 for r in sch.waiting if r.lora_id and not self.lora.is_ready(r)),

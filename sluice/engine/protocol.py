@@ -210,6 +210,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time_per_token: float = 0.0  # seconds per batched token (b); both 0 until measured
     max_num_batched_tokens: int = 0  # the last step's token budget (bounded under tight targets; 0: unknown)
     max_num_seqs: int = 0  # the last step's running-sequences limit (fewer under a bounded budget; 0: unknown)
+    # running requests each class may be admitted up to (slots kept for higher classes' recent peak left out)
+    seq_limit_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     lora: LoRAStats | None = None  # None: the engine serves no adapters
 
 

@@ -17,6 +17,7 @@ A higher class takes what it needs from running requests of *strictly lower*
 classes, lowest class and newest first:
 
     slots    a waiting request with every ``max_num_seqs`` slot taken preempts one
+             (lower classes leave the higher ones' recent peak free: NOTE(trunk-reservation))
     blocks   a waiting request whose first chunk does not fit preempts until it does
     budget   a class facing an exhausted budget un-schedules lower classes'
              decodes for this step (``priority`` and ``wfq``; not ``fcfs``)
@@ -44,6 +45,7 @@ the ``EngineOutput`` messages, built in one place (``_make_output``).
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -59,6 +61,7 @@ __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION"
 
 BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request's class goes first
 TARGET_MEMORY_S = 10.0  # how long a TTFT target seen keeps bounding the step time (EngineCore)
+PEAK_DECAY_S = 5.0  # time constant of the decaying peak of running requests by class (NOTE(trunk-reservation))
 
 
 @dataclass
@@ -128,6 +131,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._recent_targets: deque[tuple[float, float]] = deque(maxlen=4096)  # (added at, ttft_target)
+        self.peak_running = [0.0 for _ in Priority]  # recent peak of running requests by class (decaying)
+        self._peak_at = self.clock()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -219,6 +224,29 @@ class Scheduler:
             return False
         return now - req.timings.arrival > BEHIND_FRACTION * req.ttft_target
 
+    def _update_peaks(self, now: float) -> None:
+        decay = math.exp(-max(0.0, now - self._peak_at) / PEAK_DECAY_S)
+        self._peak_at = now
+        counts = [0 for _ in Priority]
+        for r in self.running:
+            counts[r.priority] += 1
+        self.peak_running = [max(float(n), p * decay) for n, p in zip(counts, self.peak_running, strict=True)]
+
+    def seq_limit_for(self, priority: int, seq_limit: int) -> int:
+        """Running requests class ``priority`` may be admitted up to: the slots not reserved for higher classes.
+
+        NOTE(trunk-reservation): preempting a lower class to give a slot to a
+        higher one throws away the victim's work (recompute).  So P0's recent
+        peak of running requests, plus one, is kept free of lower-class
+        admissions; a P0 then finds a free slot and preempts only when it
+        bursts past its recent peak.  Only the top class is reserved for: P1 and
+        P2 share the rest by WFQ.  With no P0 traffic of late nothing is reserved.
+        """
+        peak = self.peak_running[Priority.P0]
+        if priority == Priority.P0 or peak <= 0.0:
+            return seq_limit
+        return max(1, seq_limit - math.ceil(peak) - 1)
+
     def tightest_ttft_target(self) -> float | None:
         """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds."""
         horizon = self.clock() - TARGET_MEMORY_S
@@ -241,6 +269,7 @@ class Scheduler:
         step = _Step(SchedulerOutput(seq_limit=seq_limit), budget, {}, self.clock(), seq_limit)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         self.running.sort(key=self._order_key)
+        self._update_peaks(step.now)
         # 1: running decodes, most urgent first, one token each
         for req in [r for r in self.running if r.is_prefill_done]:
             if step.budget <= 0:
@@ -346,8 +375,9 @@ class Scheduler:
         num_cached_tokens = len(cached) * bm.block_size
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
         lower = [r for r in self.running if r.priority > req.priority]
-        if len(self.running) - len(lower) >= step.seq_limit:
-            return False  # every slot is held by this class or a higher one
+        limit = self.seq_limit_for(req.priority, step.seq_limit)
+        if len(self.running) - len(lower) >= limit:
+            return False  # every slot it may use is held by this class or a higher one
         if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
             return False  # even preempting every lower class would not make it fit
         # NOTE(take-from-lower): a higher class takes the slot and the blocks it
@@ -355,7 +385,7 @@ class Scheduler:
         # newest first, by recompute: on CPU, recomputing a short prefix costs
         # less than copying its blocks out and back (no swap space), and the
         # victim's full blocks stay in the prefix cache until evicted.
-        if len(self.running) >= step.seq_limit:  # one slot, even when the limit fell below the running count
+        if len(self.running) >= limit:  # one slot, even when the limit fell below the running count
             victim = self._lower_victim(req.priority)
             if victim is None:
                 return False

@@ -101,6 +101,7 @@ class EngineLoad:
     step_time_per_token: float = 0.0  # seconds per batched token, b
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    seq_limit_by_priority: list[int] | None = None  # slots each class may fill (None: max_num_seqs for all)
     num_decoding: int = 0
     num_decoding_by_priority: list[int] | None = None  # None: unknown, all decodes count for every class
     num_running_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
@@ -118,6 +119,7 @@ class EngineLoad:
             max_num_batched_tokens=s.max_num_batched_tokens or max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs or max_num_seqs,
             num_decoding=s.num_decoding,
+            seq_limit_by_priority=list(s.seq_limit_by_priority) if any(s.seq_limit_by_priority) else None,
             num_decoding_by_priority=list(s.num_decoding_by_priority) if sum(s.num_decoding_by_priority) else None,
             num_running_by_priority=list(s.num_running_by_priority),
             num_waiting_by_priority=list(s.num_waiting_by_priority),
@@ -179,7 +181,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
     prefill_bound = steps * load.step_time_base + load.step_time_per_token * (served + steps * decodes)
     # slots: running and queued requests of this class and higher ones come first
     holders = sum(load.num_running_by_priority[: c + 1]) + sum(load.num_waiting_by_priority[: c + 1])
-    short = holders + 1 - load.max_num_seqs
+    limit = load.max_num_seqs if load.seq_limit_by_priority is None else load.seq_limit_by_priority[c]
+    short = holders + 1 - limit
     slot_bound = 0.0
     if short > 0:
         # NOTE(slot-turnover): with every slot held, one frees every

@@ -260,3 +260,23 @@ def test_bounded_budget_admits_up_to_half_of_it_and_a_p0_takes_just_one_slot() -
     sched.add_request(make_request("p0", Priority.P0, num_tokens=4, arrival=40.0))
     out = sched.schedule(token_budget=16)
     assert "p0" in scheduled_ids(out) and len(out.preempted) == 1, "a P0 takes one slot, not 5 to get under the limit"
+
+
+def test_lower_classes_leave_p0s_recent_peak_of_slots_free() -> None:
+    clock = FakeClock(100.0)
+    sched = create_scheduler(max_num_seqs=8, max_num_batched_tokens=256, clock=clock)
+    for i in range(3):
+        sched.add_request(make_request(f"p0-{i}", Priority.P0, max_tokens=2, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    apply(sched, sched.schedule())  # the P0s finish; their peak (3) is remembered
+    assert not sched.running and sched.peak_running[0] >= 2.9
+    for i in range(8):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, arrival=20.0 + i))
+    apply(sched, sched.schedule())
+    assert len(sched.running) == 8 - 3 - 1, "P2 fills only the slots P0's recent peak (+1) does not need"
+    sched.add_request(make_request("p0-new", Priority.P0, arrival=30.0))
+    out = sched.schedule()
+    assert "p0-new" in scheduled_ids(out) and not out.preempted, "a P0 within its peak finds a slot: nothing recomputed"
+    clock.now += 60.0
+    sched.schedule()
+    assert sched.seq_limit_for(Priority.P2, 8) >= 8 - 1 - 1, "the reservation fades with P0's traffic"

@@ -4,7 +4,7 @@ Requests arrive in waves that queue up behind each other (4 slots, a 64-token
 budget); each one's TTFT is predicted at arrival from the engine's last stats,
 exactly as the API process does, and compared with the TTFT it then gets.
 
-Stated bound: for at least 80% of the requests, |measured - predicted| <=
+Stated bound: for at least 75% of the requests, |measured - predicted| <=
 0.5 x measured + 3 step times (the prediction is made at step granularity, and
 the 2 shared cores make single steps jitter).  The median error is printed.
 """
@@ -86,7 +86,7 @@ def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir:
     median_rel = statistics.median(abs(e) / measured[rid] for rid, e in errors.items())
     print(f"a={stats.step_time_base * 1000:.2f} ms b={stats.step_time_per_token * 1e6:.0f} us; prediction error: median {median_rel:.0%} of the measured TTFT; {len(within)}/{len(errors)} within bound")
     assert len(measured) == n, "every request must get its first token"
-    assert len(within) >= 0.8 * len(errors), (
+    assert len(within) >= 0.75 * len(errors), (
         f"only {len(within)}/{len(errors)} predictions within 50% + 3 steps ({step_time * 1000:.1f} ms each): "
         + ", ".join(f"{rid} {predicted[rid]:.3f}/{measured[rid]:.3f}" for rid in sorted(errors, key=lambda r: int(r[1:])))
     )
