@@ -130,7 +130,8 @@ class Scheduler:
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._recent_targets: deque[tuple[float, float]] = deque(maxlen=4096)  # (added at, ttft_target)
+        # (added at, ttft_target), targets increasing front to back: a sliding-window minimum
+        self._recent_targets: deque[tuple[float, float]] = deque()
         self.peak_running = [0.0 for _ in Priority]  # recent peak of running requests by class (decaying)
         self._peak_at = self.clock()
 
@@ -138,7 +139,10 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         if req.ttft_target > 0.0:
-            self._recent_targets.append((self.clock(), req.ttft_target))
+            recent = self._recent_targets
+            while recent and recent[-1][1] >= req.ttft_target:  # never the minimum again
+                recent.pop()
+            recent.append((self.clock(), req.ttft_target))
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -253,7 +257,7 @@ class Scheduler:
         recent = self._recent_targets
         while recent and recent[0][0] < horizon:
             recent.popleft()
-        return min((t for _, t in recent), default=None)
+        return recent[0][1] if recent else None
 
     def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
         """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``)."""

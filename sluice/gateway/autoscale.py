@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -136,7 +137,11 @@ class Autoscaler:
         return len(self.pool.version(model, m.version).replicas)
 
     def score(self, model: str) -> Pressure:
-        return pressure(self.pool.model_load(model), self.load_config)
+        # NOTE(measured-load): capacity is sized on the measured ratios (queue, tokens,
+        # TTFT); the replicas' predicted-wait signal drives degradation, not scaling,
+        # since admission control keeps it near 1.0 under any overload.
+        load = dataclasses.replace(self.pool.model_load(model), slo_by_priority=None)
+        return pressure(load, self.load_config)
 
     async def run(self) -> None:
         """The controller loop (owned by the gateway's lifespan)."""

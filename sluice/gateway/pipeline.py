@@ -434,7 +434,8 @@ class Gateway:
                 "level": int(d.level(model)),
                 "level_name": d.level(model).name.lower(),
                 "score": None if p is None else round(p.score, 4),
-                "pressure": None if p is None else {"queue": round(p.queue, 4), "tokens": round(p.tokens, 4), "ttft": round(p.ttft, 4)},
+                "pressure": None if p is None else {"queue": round(p.queue, 4), "tokens": round(p.tokens, 4), "ttft": round(p.ttft, 4),
+                                                    "predicted": None if p.predicted is None else [round(r, 4) for r in p.predicted]},
                 "fallback": self.config.models[model].fallback,
                 "changes": [
                     {"at": c.at, "from": int(c.old), "to": int(c.new), "score": round(c.score, 4), "reason": c.reason}
