@@ -118,3 +118,45 @@ def test_missing_py_spy_is_a_clear_error(tmp_path: Path) -> None:
     s.py_spy = None
     with pytest.raises(ProfilerUnavailableError, match="pip install py-spy"):
         s.argv(Target("api", 1), 1.0, 100, False, tmp_path / "x")
+
+
+def test_pyroscope_tags_engine_steps_and_their_phases(monkeypatch) -> None:
+    """With --pyroscope-server the engine's step, schedule and execute run under phase tags."""
+    import contextlib
+    import sys
+    import types
+
+    from sluice.server import engine_setup
+
+    tags: list[str] = []
+
+    @contextlib.contextmanager
+    def tag_wrapper(t: dict[str, str]):
+        tags.append(t["phase"])
+        yield
+
+    monkeypatch.setitem(sys.modules, "pyroscope", types.SimpleNamespace(tag_wrapper=tag_wrapper))
+    monkeypatch.setattr(engine_setup, "start_pyroscope", lambda server, process, app_name="sluice": True)
+
+    class Part:
+        def schedule(self) -> str:
+            return "s"
+
+        def execute(self) -> str:
+            return "e"
+
+    class Engine:
+        def __init__(self) -> None:
+            self.scheduler, self.runner = Part(), Part()
+
+        def step(self) -> list[str]:
+            return [self.scheduler.schedule(), self.runner.execute()]
+
+    setup = engine_setup.EngineProcessSetup(lambda config: Engine(), pyroscope_server="http://127.0.0.1:1")
+    engine = setup(None)  # type: ignore[arg-type]
+    assert engine.step() == ["s", "e"]
+    assert tags == ["step", "schedule", "execute"], "the step and its phases carry their pyroscope tags"
+    plain = engine_setup.EngineProcessSetup(lambda config: Engine())(None)  # type: ignore[arg-type]
+    tags.clear()
+    plain.step()
+    assert tags == [], "without the flag nothing is wrapped"
