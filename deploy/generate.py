@@ -191,6 +191,22 @@ def build_dashboard() -> dict[str, Any]:
         .with_panel(ts("Preemptions / s", "short", [
             (f"sum by (instance) (rate(sluice_preemptions_total{{{INST}}}[{RATE}]))", "{{instance}}"),
         ], span=8, desc="Requests freed to make room for a higher class, recomputed later."))  # fmt: skip
+        # ---- LoRA adapters
+        .with_row(row("LoRA adapters"))
+        .with_panel(ts("Adapters in memory and in use", "short", [
+            (f"sum by (instance) (sluice_lora_loaded_adapters{{{INST}}})", "loaded {{instance}}"),
+            (f"sum by (instance) (sluice_lora_active_adapters{{{INST}}})", "active {{instance}}"),
+            (f"max by (instance) (sluice_lora_max_active_adapters{{{INST}}})", "max per step {{instance}}"),
+            (f"sum by (instance) (sluice_lora_requests_waiting_for_load{{{INST}}})", "waiting for a load {{instance}}"),
+        ], span=8))  # fmt: skip
+        .with_panel(ts("Adapter loads, failures, evictions", "ops", [
+            (f"sum(rate(sluice_lora_loads_total{{{INST}}}[{RATE}]))", "loads"),
+            (f"sum(rate(sluice_lora_load_failures_total{{{INST}}}[{RATE}]))", "failures"),
+            (f"sum(rate(sluice_lora_evictions_total{{{INST}}}[{RATE}]))", "evictions (LRU)"),
+        ], span=8))  # fmt: skip
+        .with_panel(ts("Adapter load time", "s", [
+            (f"histogram_quantile(0.95, sum by (le) (rate(sluice_lora_load_seconds_bucket{{{INST}}}[{RATE}])))", "p95"),
+        ], span=8, desc="Read, check and pack one adapter (off the engine step)."))  # fmt: skip
         # ---- shed and rate limited
         .with_row(row("Shed and rate-limited requests"))
         .with_panel(ts("Server: refused by class", "reqps", [

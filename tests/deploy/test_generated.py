@@ -22,7 +22,8 @@ def test_dashboard_covers_server_and_gateway_sections() -> None:
 
     doc = json.loads((ROOT / "deploy/grafana/sluice.json").read_text())
     rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
-    for needed in ("SLO per priority class", "Latency per priority class", "KV cache", "Shed and rate-limited requests", "Gateway",
+    for needed in ("SLO per priority class", "Latency per priority class", "KV cache", "LoRA adapters",
+                   "Shed and rate-limited requests", "Gateway",
                    "Canary rollout and autoscaling"):  # fmt: skip
         assert needed in rows, f"the dashboard lost its {needed!r} row"
     ids = [p["id"] for p in doc["panels"]]
