@@ -82,6 +82,7 @@ class Record:
     answered: float | None = None  # status line, seconds after sending
     retry_after: str | None = None
     error: str = ""
+    code: str = ""  # the error body's code (429: slo_unattainable, shed, queue_full, degraded_shed)
 
     @property
     def is_served(self) -> bool:
@@ -207,7 +208,8 @@ async def send(session: aiohttp.ClientSession, server: Server, i: int, priority:
                 rec.retry_after = resp.headers.get("retry-after")
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}"
-                    await resp.read()
+                    with contextlib.suppress(ValueError, AttributeError):
+                        rec.code = str(json.loads(await resp.read())["error"].get("code") or "")
                     return rec
                 dec = SSEDecoder()
                 async for raw in resp.content.iter_any():
@@ -342,7 +344,15 @@ def summarize(records: list[Record], health: list[float], targets: dict[str, flo
     out["goodput_rps"] = good_all / seconds
     out["num_5xx"] = sum(1 for r in records if r.status >= 500)
     out["num_timeouts"] = sum(1 for r in records if r.error == "timeout")
-    out["shed_answer_p99_s"] = _pct([r.answered for r in shed if r.answered is not None], 0.99)
+    answered = [r.answered for r in shed if r.answered is not None]
+    out["shed_answer_p50_s"] = _pct(answered, 0.50)
+    out["shed_answer_p99_s"] = _pct(answered, 0.99)
+    out["shed_within_50ms"] = sum(1 for a in answered if a <= 0.05) / len(answered) if answered else None
+    codes: dict[str, list[float]] = {}
+    for r in shed:
+        codes.setdefault(r.code or "?", []).append(r.answered or 0.0)
+    # per 429 code: how many, and how fast (p99 s): a shed *queued* request has waited before its 429
+    out["shed_by_code"] = {k: {"count": len(v), "answer_p99_s": _pct(v, 0.99)} for k, v in sorted(codes.items())}
     out["shed_with_retry_after"] = sum(1 for r in shed if r.retry_after) / len(shed) if shed else None
     out["health_p99_s"] = _pct(health, 0.99)
     return out
