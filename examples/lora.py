@@ -37,8 +37,8 @@ def write_adapter(path: Path, cfg: ModelConfig, seed: int, rank: int = 8) -> Pat
     for layer in range(cfg.num_layers):
         for name, n_out in (("q_proj", q), ("v_proj", kv)):
             pre = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, h, generator=g) * 0.03
-            tensors[f"{pre}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.03
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, h, generator=g) * 0.08
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.08
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(

@@ -421,3 +421,58 @@ def test_lora_modules_flag_forms() -> None:
         load_settings(max_loras=4, max_cpu_loras=2)
     with pytest.raises(ConfigError, match="name=path"):
         load_settings(lora_modules=["nopath"])
+
+
+# ---------------------------------------------------------------- the other paths
+
+
+def test_without_the_cpp_seams_the_linear_path_gives_the_same_bits(
+    tiny_llama: Path, adapters: dict[str, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No compiler (or the kernel missing): each group runs A and B as Linears, with the same results."""
+    import sluice.models.lora as lora_mod
+
+    ads = adapters["llama"]
+    mods = [f"all={ads['all']}", f"qv={ads['qv']}"]
+    q = {"quantization": "int4", "quant_fallback": "none", "lora_modules": mods}
+    specs: list[Spec] = [("a", prompt(1, 30), "all", 0), ("b", prompt(2, 20), None, 0), ("c", prompt(3, 25), "qv", 1)]
+    fast = run(engine(tiny_llama, **q), specs)
+    monkeypatch.setattr(lora_mod, "_lora_ext", lambda: None)
+    slow_engine = engine(tiny_llama, **q)
+    assert all(a.isa == -1 for a in slow_engine.lora.resident.values()), "the Linear seams are in use"
+    slow = run(slow_engine, specs)
+    for rid in fast:
+        assert fast[rid][0] == slow[rid][0]
+        assert all(torch.equal(x, y) for x, y in zip(fast[rid][1], slow[rid][1], strict=True)), rid
+
+
+def test_bfloat16_model_runs_adapters_through_torch(
+    tiny_llama: Path, adapters: dict[str, dict[str, Path]], tmp_path: Path
+) -> None:
+    """The path of other dtypes and of CUDA (no C++ ops): dense bf16 deltas, close to the merge."""
+    adapter = adapters["llama"]["all"]
+    merged = merge_into_hf_dir(tiny_llama, [adapter], tmp_path / "merged")
+    p = prompt(5, 24)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    served = run(engine(tiny_llama, dtype="bfloat16", quantization="none", lora_modules=[f"a={adapter}"]),
+                 [("r", p, "a", 0)], one)["r"]  # fmt: skip
+    ref = run(engine(merged, dtype="bfloat16", quantization="none"), [("r", p, None, 0)], one)["r"]
+    base = run(engine(tiny_llama, dtype="bfloat16", quantization="none"), [("r", p, None, 0)], one)["r"]
+    gap = max_diff(served[1], ref[1])
+    assert gap < 0.25 * max_diff(base[1], ref[1]), f"bf16 adapter {gap:.3g} from the merge"
+
+
+def test_sluice_serve_takes_several_lora_modules_after_one_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    import sluice.server.cli as serve_cli
+
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(serve_cli, "serve", lambda g: given.update(g))
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    serve_cli.register(app)
+    r = CliRunner().invoke(app, ["serve", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--lora-modules", "c=/z"])
+    assert r.exit_code == 0, r.output
+    assert given["lora_modules"] == ["a=/x", "b=/y", "c=/z"] and given["max_loras"] == 2
