@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.errors import InvalidRequestError
+from sluice.engine.config import KV_CACHE_DTYPES
+from sluice.errors import ConfigError
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -51,8 +52,6 @@ __all__ = [
     "quantize",
     "dequantize",
 ]
-
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8", "int8")
 
 _FULL = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _QUANT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -91,13 +90,13 @@ def resolve_kv_format(name: str | None, model_dtype: torch.dtype) -> KVCacheForm
     name = (name or "auto").lower()
     if name == "auto":
         if model_dtype not in _NAME_OF:
-            raise InvalidRequestError(f"no KV cache format for model dtype {model_dtype}")
+            raise ConfigError(f"no KV cache format for model dtype {model_dtype}")
         name = _NAME_OF[model_dtype]
     if name in _FULL:
         return KVCacheFormat(name, _FULL[name])
     if name in _QUANT:
         return KVCacheFormat(name, _QUANT[name])
-    raise InvalidRequestError(f"unknown KV cache dtype {name!r}: use {', '.join(KV_CACHE_DTYPES)}")
+    raise ConfigError(f"unknown KV cache dtype {name!r}: use {', '.join(KV_CACHE_DTYPES)}")
 
 
 def quantize(x: torch.Tensor, fmt: KVCacheFormat) -> tuple[torch.Tensor, torch.Tensor]:
