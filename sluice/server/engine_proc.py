@@ -122,6 +122,13 @@ def run_engine_core(
                 )
             )
         was_busy = busy
+    # NOTE(kv-checkpoint-on-exit): a graceful stop (SIGTERM, or the API process
+    # gone) writes the cached prefix blocks the disk tier lacks, so a restart
+    # hits; with write-through that is only the last few blocks.
+    try:
+        engine.close(checkpoint=True)
+    except Exception:  # noqa: BLE001 -- exiting anyway
+        log.exception("closing the engine failed")
     pull.close(linger=0)
     push.close()
     ctx.term()
@@ -131,6 +138,8 @@ def _control(engine: EngineCoreProtocol, profiler: StepProfiler, msg: EngineCont
     try:
         if msg.command.startswith("profile_"):
             return EngineControlReply(id=msg.id, result=profile_control(profiler, msg.command))
+        if msg.command == "kv_checkpoint":
+            return EngineControlReply(id=msg.id, result=engine.kv_checkpoint())
         raise InvalidRequestError(f"unknown engine command {msg.command!r}")
     except Exception as e:  # noqa: BLE001 -- the admin route reports it; the engine keeps serving
         err = e if isinstance(e, SluiceError) else SluiceError(f"{type(e).__name__}: {e}")

@@ -179,6 +179,13 @@ class FakeEngineCore:
             max_num_seqs=self.config.max_num_seqs,
         )
 
+    def kv_checkpoint(self) -> dict[str, Any]:
+        self.num_kv_checkpoints = getattr(self, "num_kv_checkpoints", 0) + 1
+        return {"enabled": False, "reason": "fake engine", "num_written_blocks": 0}
+
+    def close(self, checkpoint: bool = True) -> None:
+        pass
+
     # -- internals -----------------------------------------------------------------
 
     def _next_token(self, r: _Req) -> int:

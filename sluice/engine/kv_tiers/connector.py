@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sluice.engine.kv_tiers.base import KVTier, LoadHandle
+from sluice.engine.protocol import KVTierStats
 
 if TYPE_CHECKING:
     from sluice.engine.block_manager import BlockManager
@@ -158,6 +159,20 @@ class KVTierConnector:
         self.stats.num_load_latencies += 1
         self.stats.recent_load_latencies.append(latency)
         return LoadState.READY
+
+    def make_stats(self) -> KVTierStats:
+        """Tier I/O counters plus this engine's hits and waits; drains the recent waits."""
+        t, c = self.tier.make_stats(), self.stats
+        recent, c.recent_load_latencies = c.recent_load_latencies, []
+        return KVTierStats(
+            name=t.name, is_enabled=t.is_enabled, is_writable=t.is_writable, num_blocks=t.num_blocks,
+            num_bytes=t.num_bytes, capacity_bytes=t.capacity_bytes, hit_blocks=c.hit_blocks, hit_tokens=c.hit_tokens,
+            num_request_loads=c.num_load_latencies, load_seconds=c.load_latency_sum, recent_load_seconds=recent,
+            num_load_failures=c.num_load_failures, num_loaded_blocks=t.num_loaded_blocks,
+            num_block_reads=t.num_block_reads, load_bytes=t.load_bytes, num_stored_blocks=t.num_stored_blocks,
+            store_bytes=t.store_bytes, store_seconds=t.store_seconds, num_dropped_blocks=t.num_dropped_blocks,
+            num_evicted_blocks=t.num_evicted_blocks, num_corrupt=t.num_corrupt,
+        )
 
     def has_loads(self) -> bool:
         return bool(self._loads)
