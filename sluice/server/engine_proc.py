@@ -81,6 +81,7 @@ def run_engine_core(
         push.close()
         sys.exit(3)
     push.send_multipart(encode(Kind.READY, engine.model_info))
+    _publish_stats(push, engine)  # gauges and /admin/kv are right before the first request
 
     dec = Decoders()
     profiler = StepProfiler()  # torch.profiler, off until POST /admin/profile
@@ -106,6 +107,7 @@ def run_engine_core(
                 engine.abort(dec.abort.decode(payload).request_ids)
             elif kind == Kind.CONTROL:
                 push.send_multipart(encode(Kind.CONTROL_REPLY, _control(engine, profiler, dec.control.decode(payload))))
+                _publish_stats(push, engine)
         if os.getppid() != parent:
             break
         busy = engine.has_unfinished_requests()
@@ -132,6 +134,11 @@ def run_engine_core(
     pull.close(linger=0)
     push.close()
     ctx.term()
+
+
+def _publish_stats(push: zmq.Socket, engine: EngineCoreProtocol) -> None:
+    stats = EngineCoreOutputs(outputs=[], stats=engine.make_stats(), timestamp=time.monotonic())
+    push.send_multipart(encode(Kind.OUTPUTS, stats))
 
 
 def _control(engine: EngineCoreProtocol, profiler: StepProfiler, msg: EngineControl) -> EngineControlReply:
