@@ -1,7 +1,7 @@
 """KV tiers: TTFT cold / memory hit / disk hit / after a restart, throughput past memory, KV dtypes.
 
     python benchmarks/kv_tiers.py               # SmolLM2, 2k-token shared prefixes (quiet machine, ~15 min)
-    python benchmarks/kv_tiers.py --quick       # 512-token prefixes, few requests (smoke, ~2 min)
+    python benchmarks/kv_tiers.py --quick       # 256-token prefixes, few requests (smoke, ~3 min on 2 cores)
 
 Everything runs in-process on ``EngineCore`` (no HTTP), one request at a time
 for TTFT so that nothing queues, greedy, ``max_tokens=1`` unless stated.
@@ -91,6 +91,7 @@ def ttft_section(model: str, prefix_len: int, num_prefixes: int, questions: int,
     out: dict[str, Any] = {}
     # cold and memory hit: memory holds every prefix; the disk tier is on (it is written through)
     eng = engine(model, kv_memory, disk)
+    out["bytes_per_block"] = eng.runner.kv_cache.bytes_per_block
     cold = one_by_one(eng, first)
     mem = one_by_one(eng, [prefixes[i] + qs[i][1 % questions] for i in range(num_prefixes)])
     out["cold"] = [r["ttft"] for r in cold]
@@ -106,8 +107,7 @@ def ttft_section(model: str, prefix_len: int, num_prefixes: int, questions: int,
     out["restart_prefix_hit_rate"] = sum(min(r["cached"], prefix_len) for r in restart) / (prefix_len * len(later))
     eng.close()
     # disk hit: memory holds about one prefix, so each prefix comes back from disk
-    small = engine(model, kv_memory, None).runner.kv_format.bytes_per_block  # bytes per block
-    eng = engine(model, small * (prefix_len // 16 + 48), disk)
+    eng = engine(model, out["bytes_per_block"] * (prefix_len // 16 + 16), disk)
     disk_hit = one_by_one(eng, later)
     out["disk_hit"] = [r["ttft"] for r in disk_hit]
     out["disk_hit_rate"] = sum(min(r["cached"], prefix_len) for r in disk_hit) / (prefix_len * len(later))
@@ -166,14 +166,14 @@ def throughput_section(model: str, prefix_len: int, num_prefixes: int, rounds: i
     return out
 
 
-def dtype_section(model: str, kv_memory: int) -> list[dict[str, Any]]:
+def dtype_section(model: str, kv_memory: int, num_seqs: int = 16, out_tokens: int = 32) -> list[dict[str, Any]]:
     rows = []
     for kv in ("auto", "bf16", "fp8", "int8"):
         eng = engine(model, kv_memory, None, kv_cache_dtype=kv, max_num_seqs=32)
         capacity = eng.runner.num_blocks * 16
-        ps = [_tokens(128, 8000 + i) for i in range(16)]
+        ps = [_tokens(128, 8000 + i) for i in range(num_seqs)]
         t0 = time.monotonic()
-        res = run(eng, ps, max_tokens=32)
+        res = run(eng, ps, max_tokens=out_tokens)
         dt = time.monotonic() - t0
         rows.append({"kv_dtype": eng.runner.kv_format.name if kv == "auto" else kv, "capacity_tokens": capacity,
                      "tokens_per_s": sum(len(r["tokens"]) for r in res) / dt})
@@ -220,7 +220,7 @@ def report(res: dict[str, Any]) -> str:
         f"{c['alone_ttft'] * 1e3:.0f} ms; the max includes the 32 prefills of the questions).", "",
         markdown_table(["workload (memory holds ~1 prefix)", "seconds", "hit rate"],
                        [[k, f"{v['seconds']:.1f}", f"{v['hit_rate']:.2f}"] for k, v in tp.items()]), "",
-        markdown_table(["KV dtype", "tokens in the budget", "decode tokens/s (16 seqs)"],
+        markdown_table(["KV dtype", "tokens in 64 MiB", "decode tokens/s"],
                        [[r["kv_dtype"], f"{r['capacity_tokens']:,}", f"{r['tokens_per_s']:.1f}"] for r in res["dtypes"]]),
         "", "![KV tiers](kv_tiers.png)", "",
     ]
@@ -239,19 +239,19 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     if a.quick:
-        a.prefix_len, a.prefixes, a.questions, a.no_write = 512, 2, 3, True
+        a.prefix_len, a.prefixes, a.questions, a.no_write = 256, 3, 2, True
     root = a.disk_root or tempfile.mkdtemp(prefix="sluice-kv-bench-")
     res: dict[str, Any] = {"model": a.model, "prefix_len": a.prefix_len}
     res["ttft"] = ttft_section(a.model, a.prefix_len, a.prefixes, a.questions, a.kv_cache_memory,
                                tempfile.mkdtemp(dir=root))
-    print("ttft", {k: v for k, v in res["ttft"].items()}, flush=True)
+    print("ttft", res["ttft"], flush=True)
     res["concurrency"] = concurrency_section(a.model, a.prefix_len, a.kv_cache_memory, tempfile.mkdtemp(dir=root),
                                              n=8 if a.quick else 32)
     print("concurrency", res["concurrency"], flush=True)
-    small = engine(a.model, a.kv_cache_memory, None).runner.kv_format.bytes_per_block * (a.prefix_len // 16 + 48)
+    small = res["ttft"]["bytes_per_block"] * (a.prefix_len // 16 + 16)  # about one prefix
     res["throughput"] = throughput_section(a.model, a.prefix_len, a.prefixes, 2 if a.quick else 3, small, root)
     print("throughput", res["throughput"], flush=True)
-    res["dtypes"] = dtype_section(a.model, 64 << 20)
+    res["dtypes"] = dtype_section(a.model, 64 << 20, *((4, 8) if a.quick else (16, 32)))
     text = report(res)
     print(text)
     if not a.no_write:
