@@ -194,7 +194,7 @@ class KVTierConnector:
 
     def store_new(self, pairs: Sequence[tuple[int, int]]) -> int:
         """Offer newly full blocks ((key, block id) pairs) to the tier; returns how many were queued."""
-        if not pairs or not self.tier.is_enabled:
+        if not pairs or not self.tier.is_writable:  # off or full: not even the memcpy
             return 0
         todo = [(h, b) for h, b in pairs if self.tier.count_prefix([h]) == 0]
         if not todo:
@@ -210,7 +210,7 @@ class KVTierConnector:
         todo = [(h, b) for h, b in pairs if self.tier.count_prefix([h]) == 0]
         queued = 0
         for i in range(0, len(todo), STORE_BATCH):
-            if not self.tier.is_enabled:
+            if not self.tier.is_writable:
                 break
             batch = todo[i : i + STORE_BATCH]
             payloads = self.kv.export_blocks([b for _, b in batch])
