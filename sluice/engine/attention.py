@@ -15,7 +15,11 @@ Backends (chosen once at start-up, reported by ``sluice doctor``):
   through it, fresh prefills included, so a prompt's result does not depend
   on how it was chunked.
 
-Both write the new K/V into the cache first (``index_copy_`` on the slots).
+Both write the new K/V into the cache first (``KVCache.write``: the slots,
+quantized when the cache is fp8/int8, see ``kv_quant``) and read them back
+from it, so attention sees K/V as the cache stores them, in every row: a
+prompt gives the same output cold, from the prefix cache or from disk.  The
+kernel dequantizes an fp8/int8 block as it reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sluice.engine.kv_quant import KVCache
 from sluice.kernels import ext
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "CpuPagedAttention", "make_attention_backend", "available_backends"]
@@ -56,8 +61,8 @@ class AttentionMetadata:
 class AttentionBackend:
     name = "base"
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float):
-        self.k_caches, self.v_caches, self.scale = k_caches, v_caches, scale
+    def __init__(self, kv: KVCache, scale: float):
+        self.kv, self.scale = kv, scale
         self.meta: AttentionMetadata | None = None
 
     def set_metadata(self, meta: AttentionMetadata) -> None:
@@ -65,9 +70,7 @@ class AttentionBackend:
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         assert self.meta is not None
-        kc, vc = self.k_caches[layer], self.v_caches[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.meta.slot_mapping, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.meta.slot_mapping, v.to(vc.dtype))
+        self.kv.write(layer, self.meta.slot_mapping, k, v)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -90,14 +93,12 @@ class TorchAttention(AttentionBackend):
         meta = self.meta
         assert meta is not None
         self._write(layer, k, v)
-        kc, vc = self.k_caches[layer], self.v_caches[layer]
         out = torch.empty_like(q)
         for i in range(meta.num_seqs):
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             ql, ctx = e - s, meta.seq_lens[i]
             blocks = meta.block_tables[i, : meta.num_blocks_per_seq[i]].long()
-            kk = kc.index_select(0, blocks).flatten(0, 1)[:ctx]  # (ctx, Hkv, D)
-            vv = vc.index_select(0, blocks).flatten(0, 1)[:ctx]
+            kk, vv = self.kv.gather(layer, blocks, ctx, q.dtype)  # (ctx, Hkv, D) each, dequantized
             qq = q[s:e].transpose(0, 1)  # (H, ql, D)
             if ql == ctx:
                 mask = None
@@ -108,7 +109,7 @@ class TorchAttention(AttentionBackend):
                 mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # (ql, ctx)
                 causal = False
             o = F.scaled_dot_product_attention(
-                qq, kk.transpose(0, 1).to(q.dtype), vv.transpose(0, 1).to(q.dtype),
+                qq, kk.transpose(0, 1), vv.transpose(0, 1),
                 attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
             )
             out[s:e] = o.transpose(0, 1)
@@ -123,9 +124,10 @@ def load_cpu_kernel() -> Any:
 class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float):
-        super().__init__(k_caches, v_caches, scale)
+    def __init__(self, kv: KVCache, scale: float):
+        super().__init__(kv, scale)
         self.kernel = load_cpu_kernel()
+        self._no_scales = torch.empty(0, dtype=torch.float32)
 
     def set_metadata(self, meta: AttentionMetadata) -> None:
         super().set_metadata(meta)
@@ -138,9 +140,12 @@ class CpuPagedAttention(AttentionBackend):
         meta = self.meta
         assert meta is not None
         self._write(layer, k, v)
-        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        kv = self.kv
+        ks = kv.k_scales[layer] if kv.fmt.is_quantized else self._no_scales
+        vs = kv.v_scales[layer] if kv.fmt.is_quantized else self._no_scales
         return self.kernel.paged_attention(  # type: ignore[no-any-return]
-            q.contiguous(), kc, vc, meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale
+            q.contiguous(), kv.k[layer], kv.v[layer], ks, vs,
+            meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale,
         )
 
 
@@ -155,15 +160,13 @@ def available_backends(device: str) -> list[str]:
     return names
 
 
-def make_attention_backend(
-    name: str | None, device: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], scale: float
-) -> AttentionBackend:
+def make_attention_backend(name: str | None, device: str, kv: KVCache, scale: float) -> AttentionBackend:
     if name is None:
         name = "cpu_paged" if device == "cpu" and "cpu_paged" in available_backends(device) else "torch"
     if name == "torch":
-        return TorchAttention(k_caches, v_caches, scale)
+        return TorchAttention(kv, scale)
     if name == "cpu_paged":
         if device != "cpu":
             raise ValueError("the cpu_paged attention backend runs on the CPU only")
-        return CpuPagedAttention(k_caches, v_caches, scale)
+        return CpuPagedAttention(kv, scale)
     raise ValueError(f"unknown attention backend {name!r}: use torch or cpu_paged")

@@ -14,6 +14,12 @@ computes only the rest.  A block whose ref_count drops to 0 keeps its hash and
 content and goes to the *end* of the free list; allocation takes from the
 *front*, so cached blocks nobody holds are evicted least-recently-used first.
 
+Keys are ``kv_tiers.keys.hash_block_tokens`` (blake2b, the same in every
+process), so a block's key in memory is its key in the disk tier.  A block
+being loaded from a KV tier is registered under its key at once and held by
+the load (``hold_for_load`` / ``release_load``), so requests that share it
+wait for that one load; a block whose load failed loses its key.
+
 Invariant (checked by the property tests): every block is either held
 (ref_count > 0) or in the free list, never both, and after every request is
 freed, free blocks == total blocks.
@@ -21,17 +27,22 @@ freed, free blocks == total blocks.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from sluice.engine.kv_tiers.keys import hash_block_tokens
 from sluice.engine.request import Request
 
 __all__ = ["BlockManager", "hash_block"]
 
 
-def hash_block(prev_hash: int | None, tokens: tuple[int, ...], salt: bytes = b"") -> int:
-    """``salt`` keeps caches apart that share tokens but not K/V (a LoRA adapter's, ``Request.cache_salt``)."""
-    return hash((prev_hash, tokens, salt)) if salt else hash((prev_hash, tokens))
+def hash_block(prev_hash: int | None, tokens: Sequence[int], salt: bytes = b"") -> int:
+    """Key of a full block: its tokens chained to the previous block's key (NOTE(stable-hash) in kv_tiers.keys).
+
+    ``salt`` keeps caches apart that share tokens but not K/V (a LoRA adapter's, ``Request.cache_salt``).
+    """
+    return hash_block_tokens(prev_hash, tokens, salt)
 
 
 class BlockManager:
@@ -48,6 +59,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.num_prefix_queries = 0  # prompt tokens looked up (cumulative)
         self.num_prefix_hits = 0  # prompt tokens found (cumulative)
+        self.track_new_blocks = False  # a KV tier is attached: collect newly cached blocks for it
+        self._newly_cached: list[tuple[int, int]] = []  # (key, block) registered since take_newly_cached()
+        # request -> keys of its leading full blocks, computed once (tokens are only appended)
+        self._keys_memo: weakref.WeakKeyDictionary[Request, tuple[bytes, list[int]]] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------ queries
 
@@ -68,12 +83,16 @@ class BlockManager:
 
     # ------------------------------------------------------------ prefix cache
 
-    def _prefix_hashes(self, token_ids: list[int], max_blocks: int, salt: bytes = b"") -> list[int]:
-        bs, prev, out = self.block_size, None, []
-        for i in range(max_blocks):
-            prev = hash_block(prev, tuple(token_ids[i * bs : (i + 1) * bs]), salt)
-            out.append(prev)
-        return out
+    def prefix_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """Keys of the request's first ``num_blocks`` full blocks (memoised per request and cache salt)."""
+        salt, keys = self._keys_memo.get(req, (None, []))
+        if salt != req.cache_salt:  # an adapter assigned after a first lookup: start over
+            keys = []
+            self._keys_memo[req] = (req.cache_salt, keys)
+        bs, ids = self.block_size, req.token_ids
+        for i in range(len(keys), num_blocks):
+            keys.append(hash_block(keys[-1] if keys else None, ids[i * bs : (i + 1) * bs], req.cache_salt))
+        return keys[:num_blocks]
 
     def lookup_prefix(self, req: Request) -> list[int]:
         """Cached block ids for the request's leading full blocks (at least one token is left to compute)."""
@@ -83,7 +102,7 @@ class BlockManager:
         # last token must run through the model to produce logits.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for h in self._prefix_hashes(req.token_ids, max_blocks, req.cache_salt):
+        for h in self.prefix_hashes(req, max_blocks):
             b = self.block_by_hash.get(h)
             if b is None:
                 break
@@ -158,17 +177,58 @@ class BlockManager:
         """Register hashes for the request's blocks that are full and computed."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        num_full = min(num_computed_tokens // bs, len(req.block_ids))
-        prev = req.block_hashes[-1] if req.block_hashes else None
+        num_full = min(num_computed_tokens // self.block_size, len(req.block_ids))
+        if num_full <= len(req.block_hashes):
+            return
+        keys = self.prefix_hashes(req, num_full)
         for i in range(len(req.block_hashes), num_full):
-            h = hash_block(prev, tuple(req.token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+            h = keys[i]
             req.block_hashes.append(h)
-            prev = h
             b = req.block_ids[i]
             if h not in self.block_by_hash and self.hash_by_block[b] is None:
                 self.block_by_hash[h] = b
                 self.hash_by_block[b] = h
+                if self.track_new_blocks:
+                    self._newly_cached.append((h, b))
+
+    def take_newly_cached(self) -> list[tuple[int, int]]:
+        """(key, block) pairs registered by ``cache_full_blocks`` since the last call (KV tier stores)."""
+        out, self._newly_cached = self._newly_cached, []
+        return out
+
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """Every (key, block) the prefix cache holds now."""
+        return list(self.block_by_hash.items())
+
+    # ------------------------------------------------------------ KV tier loads
+
+    def hold_for_load(self, req: Request, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
+        """Blocks of ``req`` (right after its cached prefix) are being filled from a KV tier.
+
+        Registers their keys now (requests that share the prefix take them and
+        wait for the same load) and takes one reference for the load itself,
+        so the blocks stay put until ``release_load`` even if ``req`` is aborted.
+        """
+        for b, h in zip(block_ids, hashes):
+            if h not in self.block_by_hash and self.hash_by_block[b] is None:
+                self.block_by_hash[h] = b
+                self.hash_by_block[b] = h
+            self._hold(b)
+        req.block_hashes.extend(hashes)
+
+    def release_load(self, block_ids: Sequence[int], num_loaded: int) -> None:
+        """A load finished: blocks past ``num_loaded`` hold nothing valid and lose their keys."""
+        for i, b in enumerate(block_ids):
+            h = self.hash_by_block[b]
+            if i >= num_loaded and h is not None:
+                if self.block_by_hash.get(h) == b:
+                    del self.block_by_hash[h]
+                self.hash_by_block[b] = None
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                if self.hash_by_block[b] is None:
+                    self.free.move_to_end(b, last=False)  # uncached: reuse first
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queries += num_prompt_tokens

@@ -30,6 +30,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "DTYPES",
     "QUANTIZATIONS",
+    "KV_CACHE_DTYPES",
     "parse_bytes",
     "parse_lora_modules",
     "BLOCK_SIZE",
@@ -53,6 +54,7 @@ ATTENTION_BACKENDS = ("torch", "cpu_paged")
 # ``models.quant.QUANTIZATION_MODES`` (a test keeps the two lists equal)
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "awq", "gptq", "sluice")  # ``engine.attention.make_attention_backend`` names
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8", "int8")  # ``engine.kv_quant`` formats
 
 
 def parse_bytes(value: str | int | float) -> int:
@@ -126,6 +128,16 @@ class EngineConfig:
         "Attention kernel (default: the best available, see `sluice doctor`).", choices=ATTENTION_BACKENDS))
     enable_prefix_caching: bool = field(default=True, metadata=setting(
         "Reuse the KV blocks of shared prompt prefixes."))
+    kv_cache_dtype: str = field(default="auto", metadata=setting(
+        "KV cache element type: auto (the model dtype), fp32, bf16, or fp8 (e4m3) / int8 with a "
+        "scale per token and KV head (about 4x the tokens of fp32 in the same memory).",
+        choices=KV_CACHE_DTYPES))
+    kv_disk_dir: str | None = field(default=None, metadata=setting(
+        "Directory of the disk KV tier: full prefix blocks are written there and loaded instead of "
+        "recomputed, also after a restart (default: no disk tier)."))
+    kv_disk_size: int = field(default=20 * 1024**3, metadata=setting(
+        "Size cap of the disk KV tier, e.g. 20GiB; least recently used files are evicted.",
+        parse=parse_bytes))
     num_threads: int | None = field(default=None, metadata=setting(
         "Engine torch intra-op threads (default: torch's, one per core)."))
     quantization: str = field(default="auto", metadata=setting(
@@ -179,6 +191,10 @@ class EngineConfig:
         adapters = [m.split("=", 1)[0] for m in parse_lora_modules(self.lora_modules)]
         if len(set(adapters)) != len(adapters):
             raise bad("lora_modules", f"adapter names must be unique, got {', '.join(adapters)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"unknown KV cache dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_disk_size < 1:
+            raise bad("kv_disk_size", f"must be > 0, got {self.kv_disk_size}")
         if self.scheduling_policy not in {p.value for p in SchedulingPolicy}:
             names = ", ".join(p.value for p in SchedulingPolicy)
             raise bad("scheduling_policy", f"unknown policy {self.scheduling_policy!r}: use {names}")

@@ -18,6 +18,8 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
+from sluice.engine.kv_tiers.connector import KVTierConnector
+from sluice.engine.kv_tiers.factory import make_kv_tier
 from sluice.engine.lora_manager import LoRAManager
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.protocol import (
@@ -67,6 +69,11 @@ class EngineCore:
             except SluiceError as e:
                 raise ConfigError(f"lora_modules: {name}={path}: {e.message}", setting="lora_modules") from None
         self.runner.lora_adapters = self.lora.resident
+        self.kv_tiers: KVTierConnector | None = None
+        tier = make_kv_tier(config, self.source, self.runner)
+        if tier is not None:
+            self.kv_tiers = KVTierConnector(tier, self.runner.kv_cache, self.block_manager)
+            self.block_manager.track_new_blocks = True
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_batched_tokens,
@@ -76,6 +83,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_loras=config.max_loras,
             adapter_ready=self.lora.is_ready,
+            kv_tiers=self.kv_tiers,
         )
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own, when seeded
         self._pending_aborts: list[str] = []
@@ -164,6 +172,8 @@ class EngineCore:
         if not sched.is_empty:
             tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
+            if self.kv_tiers is not None:  # NOTE(write-through) in kv_tiers.connector
+                self.kv_tiers.store_new(self.block_manager.take_newly_cached())
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
             self._last_budget = sched.token_budget
@@ -171,6 +181,8 @@ class EngineCore:
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, t0, t1)
+        elif self.kv_tiers is not None and self.scheduler.loading:
+            self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
             self.lora.wait_any(0.005)  # only adapter loads to wait for: sleep on them instead of spinning
         for out in outputs:
@@ -224,6 +236,21 @@ class EngineCore:
             )
         return rows
 
+    # ------------------------------------------------------------ KV tiers
+
+    def kv_checkpoint(self) -> dict[str, Any]:
+        """Write every cached prefix block the disk tier lacks, now (``POST /admin/kv/checkpoint``)."""
+        if self.kv_tiers is None:
+            return {"enabled": False, "reason": "no KV tier configured (--kv-disk-dir)"}
+        return {"enabled": True, **self.kv_tiers.checkpoint()}
+
+    def close(self, checkpoint: bool = True) -> None:
+        """Stop the KV tier's threads; with ``checkpoint``, write what it lacks first (graceful stop)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close(checkpoint=checkpoint)
+            self.kv_tiers = None
+            self.scheduler.kv_tiers = None
+
     # ------------------------------------------------------------ stats
 
     def make_stats(self) -> EngineStats:
@@ -241,7 +268,7 @@ class EngineCore:
             prefill_tokens[r.priority] += r.num_tokens
         return EngineStats(
             num_running=len(sch.running),
-            num_waiting=len(sch.waiting),
+            num_waiting=len(sch.waiting) + len(sch.loading),
             num_running_by_priority=running,
             num_waiting_by_priority=sch.waiting.count_by_priority(),
             kv_cache_usage=bm.usage,
@@ -265,6 +292,11 @@ class EngineCore:
                 {r.lora_id for r in sch.running if r.lora_id},
                 sum(1 for r in sch.waiting if r.lora_id and not self.lora.is_ready(r)),
             ),
+            kv_cache_dtype=self.runner.kv_format.name,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_cached_blocks=len(bm.block_by_hash),
+            num_loading=len(sch.loading),
+            kv_tiers=[self.kv_tiers.make_stats()] if self.kv_tiers is not None else [],
         )
 
 

@@ -27,11 +27,16 @@ It costs 4 bytes per (token, head): +6.25% over fp8 data at head_dim 64, which
 ``KVCacheFormat.bytes_per_block`` counts, so ``--kv-cache-memory`` buys
 3.76x the fp32 tokens with fp8/int8 (head_dim 64), not 4x.
 
-Block payload (what the KV tiers store; the fingerprint names this layout):
+All layers share one tensor per kind, so a block of every layer is one
+strided slice (``k_all[:, block]``), and moving a block to or from a tier is
+four copies, not four per layer:
 
-    for layer in 0..L-1:   K data | V data | K scales | V scales   (scales: quantized only)
-    each data  segment  16 * Hkv * D * itemsize bytes, C order (t, h, d)
-    each scale segment  16 * Hkv * 4 bytes, float32, C order (t, h)
+    k_all, v_all        [num_layers, num_blocks, 16, Hkv, D]   (k[layer] is a contiguous view)
+    k_scales_all, ...   [num_layers, num_blocks, 16, Hkv]      (quantized formats only)
+
+Block payload (what the KV tiers store; ``PAYLOAD_LAYOUT`` names it in the fingerprint):
+
+    K data (L, 16, Hkv, D) | V data | K scales (L, 16, Hkv) float32 | V scales   (scales: quantized only)
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from sluice.errors import InvalidRequestError
+from sluice.engine.config import KV_CACHE_DTYPES
+from sluice.errors import ConfigError
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "PAYLOAD_LAYOUT",
     "KVCacheFormat",
     "KVCache",
     "resolve_kv_format",
@@ -52,9 +60,8 @@ __all__ = [
     "dequantize",
 ]
 
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp8", "int8")
-
 _FULL = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PAYLOAD_LAYOUT = "kvs-rowscale-v1"  # change it whenever the payload's bytes change meaning
 _QUANT = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _QMAX = {"fp8": 448.0, "int8": 127.0}  # largest finite e4m3 value; symmetric int8
 _NAME_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -91,13 +98,13 @@ def resolve_kv_format(name: str | None, model_dtype: torch.dtype) -> KVCacheForm
     name = (name or "auto").lower()
     if name == "auto":
         if model_dtype not in _NAME_OF:
-            raise InvalidRequestError(f"no KV cache format for model dtype {model_dtype}")
+            raise ConfigError(f"no KV cache format for model dtype {model_dtype}")
         name = _NAME_OF[model_dtype]
     if name in _FULL:
         return KVCacheFormat(name, _FULL[name])
     if name in _QUANT:
         return KVCacheFormat(name, _QUANT[name])
-    raise InvalidRequestError(f"unknown KV cache dtype {name!r}: use {', '.join(KV_CACHE_DTYPES)}")
+    raise ConfigError(f"unknown KV cache dtype {name!r}: use {', '.join(KV_CACHE_DTYPES)}")
 
 
 def quantize(x: torch.Tensor, fmt: KVCacheFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,18 +149,21 @@ class KVCache:
         self.fmt = fmt
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         dt, dev = fmt.storage_dtype, torch.device(device)
         # torch.empty: allocating without zeroing keeps start-up fast; every slot
         # is written before it is read (the slot mapping covers each new token).
-        self.k = [torch.empty(shape, dtype=dt, device=dev) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dt, device=dev) for _ in range(num_layers)]
+        self.k_all = torch.empty(shape, dtype=dt, device=dev)
+        self.v_all = torch.empty(shape, dtype=dt, device=dev)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))  # per-layer views
+        self._all = [self.k_all, self.v_all]
         self.k_scales: list[torch.Tensor] = []
         self.v_scales: list[torch.Tensor] = []
         if fmt.is_quantized:
-            sshape = shape[:3]
-            self.k_scales = [torch.empty(sshape, dtype=torch.float32, device=dev) for _ in range(num_layers)]
-            self.v_scales = [torch.empty(sshape, dtype=torch.float32, device=dev) for _ in range(num_layers)]
+            ks = torch.empty(shape[:4], dtype=torch.float32, device=dev)
+            vs = torch.empty(shape[:4], dtype=torch.float32, device=dev)
+            self.k_scales, self.v_scales = list(ks.unbind(0)), list(vs.unbind(0))
+            self._all += [ks, vs]
         self.bytes_per_block = fmt.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size)
         self._segments = self._layout()
 
@@ -192,38 +202,46 @@ class KVCache:
     # ------------------------------------------------------------ tier side
 
     def _layout(self) -> list[tuple[torch.Tensor, int, int]]:
-        """(tensor, byte offset in the payload, bytes) for every segment, in payload order."""
+        """(all-layer tensor as bytes, byte offset in the payload, bytes) per segment, in payload order."""
         segs: list[tuple[torch.Tensor, int, int]] = []
         off = 0
-        for layer in range(self.num_layers):
-            tensors = [self.k[layer], self.v[layer]]
-            if self.fmt.is_quantized:
-                tensors += [self.k_scales[layer], self.v_scales[layer]]
-            for t in tensors:
-                n = t[0].numel() * t.element_size()
-                segs.append((t, off, n))
-                off += n
+        for t in self._all:
+            raw = t.view(torch.uint8)  # (L, NB, 16, Hkv, D * itemsize): fp8 has no copy ops
+            n = raw[:, 0].numel()
+            segs.append((raw, off, n))
+            off += n
         assert off == self.bytes_per_block, "the payload layout and the memory accounting disagree"
         return segs
 
+    # NOTE(numpy-copies): on the CPU, block bytes move through numpy views of the
+    # same memory: torch's strided uint8 copy of a block across layers measured
+    # 16 ms per SmolLM2 block (737 KB) against 0.02 ms with np.copyto.
+
     def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copy blocks out as payloads: (n, bytes_per_block) uint8 on the CPU."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.k[0].device)
-        out = torch.empty((len(ids), self.bytes_per_block), dtype=torch.uint8)
-        for t, off, n in self._segments:
-            src = t.view(torch.uint8) if t.element_size() == 1 else t
-            src = src.index_select(0, ids).reshape(len(ids), -1).view(torch.uint8).cpu()
-            out[:, off : off + n].copy_(src)
+        n = len(block_ids)
+        out = torch.empty((n, self.bytes_per_block), dtype=torch.uint8)
+        if self.k_all.device.type == "cpu":
+            ids, dst = np.asarray(block_ids, dtype=np.int64), out.numpy()
+            for raw, off, size in self._segments:
+                picked = raw.numpy()[:, ids]  # (L, n, 16, Hkv, ...) gathered
+                dst[:, off : off + size].reshape((n, raw.shape[0], *picked.shape[2:]))[...] = picked.swapaxes(0, 1)
+            return out
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.k_all.device)
+        for raw, off, size in self._segments:
+            picked = raw.index_select(1, idx).transpose(0, 1).cpu()  # (n, L, 16, Hkv, ...)
+            out[:, off : off + size].view(picked.shape).copy_(picked)
         return out
 
     def import_block(self, block_id: int, payload: torch.Tensor | bytes | bytearray | memoryview) -> None:
         """Write one payload (bytes_per_block bytes) into block ``block_id``."""
-        if isinstance(payload, bytes):
-            payload = bytearray(payload)  # torch.frombuffer wants a writable buffer
-        if not isinstance(payload, torch.Tensor):
-            payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
-        if payload.numel() != self.bytes_per_block:
-            raise ValueError(f"KV block payload has {payload.numel()} bytes, expected {self.bytes_per_block}")
-        for t, off, n in self._segments:
-            dst = t[block_id]
-            dst.view(-1).view(torch.uint8).copy_(payload[off : off + n])
+        src = payload.cpu().numpy() if isinstance(payload, torch.Tensor) else np.frombuffer(payload, dtype=np.uint8)
+        if src.size != self.bytes_per_block:
+            raise ValueError(f"KV block payload has {src.size} bytes, expected {self.bytes_per_block}")
+        for raw, off, size in self._segments:
+            seg = src[off : off + size]
+            if raw.device.type == "cpu":
+                dst = raw.numpy()[:, block_id]  # (L, 16, Hkv, ...) strided over layers
+                np.copyto(dst, seg.reshape(dst.shape))
+            else:
+                raw[:, block_id].copy_(torch.from_numpy(seg.copy()).view(raw[:, block_id].shape))

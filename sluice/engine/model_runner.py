@@ -22,6 +22,7 @@ import torch
 
 from sluice.engine.attention import AttentionMetadata, make_attention_backend
 from sluice.engine.config import BLOCK_SIZE, EngineConfig
+from sluice.engine.kv_quant import KVCache, resolve_kv_format
 from sluice.engine.lora_manager import build_lora_batch
 from sluice.engine.protocol import TokenLogprobs
 from sluice.engine.sampler import Sampler, SamplingRow
@@ -50,6 +51,7 @@ def resolve_dtype(name: str | None, device: str) -> torch.dtype:
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one full-precision block (see ``KVCacheFormat.bytes_per_block`` for every format)."""
     return 2 * num_layers * BLOCK_SIZE * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -78,15 +80,16 @@ class ModelRunner:
         self.model_config = cfg
         log.info("loaded %s in %.1fs", source.path, time.monotonic() - t0)
 
-        per_block = kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
+        per_block = self.kv_format.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
         budget = config.kv_cache_memory or int(psutil.virtual_memory().available * config.kv_cache_fraction)
         self.num_blocks = max(1, budget // per_block)
-        shape = (self.num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.k_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.kv_cache_bytes = per_block * self.num_blocks
+        self.kv_cache = KVCache(
+            self.kv_format, cfg.num_layers, self.num_blocks, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, self.device
+        )
+        self.kv_cache_bytes = self.kv_cache.num_bytes
         self.attention = make_attention_backend(
-            config.attention_backend, config.device, self.k_caches, self.v_caches, cfg.head_dim**-0.5
+            config.attention_backend, config.device, self.kv_cache, cfg.head_dim**-0.5
         )
         self.sampler = Sampler(seed)
         self.lora_adapters: dict[int, Any] | None = None  # lora_id -> LoRAAdapter in memory (LoRAManager.resident)

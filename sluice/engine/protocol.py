@@ -33,6 +33,7 @@ __all__ = [
     "TokenLogprobs",
     "EngineOutput",
     "EngineStats",
+    "KVTierStats",
     "EngineCoreOutputs",
     "EngineControl",
     "EngineControlReply",
@@ -188,6 +189,32 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: EngineError | None = None  # engine-side rejection (e.g. prompt too long)
 
 
+class KVTierStats(msgspec.Struct, kw_only=True):
+    """One tier below the in-memory KV cache (today: 'disk'); counters are cumulative."""
+
+    name: str
+    is_enabled: bool = True  # False: turned off by a failing device
+    is_writable: bool = True  # False: the device is full; still read
+    num_blocks: int = 0  # blocks held now
+    num_bytes: int = 0  # bytes held now (files incl. headers)
+    capacity_bytes: int = 0
+    hit_blocks: int = 0  # prompt blocks taken from this tier at admission
+    hit_tokens: int = 0
+    num_request_loads: int = 0  # requests that waited for loads
+    load_seconds: float = 0.0  # sum over those requests of the wait (admission -> blocks in memory)
+    recent_load_seconds: list[float] = msgspec.field(default_factory=list)  # waits since the previous snapshot
+    num_load_failures: int = 0  # requests that fell back to recompute (a block missing or corrupt)
+    num_loaded_blocks: int = 0
+    num_block_reads: int = 0  # physical reads (shared loads read a block once)
+    load_bytes: int = 0
+    num_stored_blocks: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0  # writer busy time
+    num_dropped_blocks: int = 0  # stores not taken (writer behind, tier off, already held)
+    num_evicted_blocks: int = 0  # removed by the size cap
+    num_corrupt: int = 0  # files or blocks found truncated, corrupt or foreign, and removed
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -213,6 +240,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # running requests each class may be admitted up to (slots kept for higher classes' recent peak left out)
     seq_limit_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     lora: LoRAStats | None = None  # None: the engine serves no adapters
+    kv_cache_dtype: str = ""  # fp32 | bf16 | fp16 | fp8 | int8
+    kv_cache_bytes: int = 0  # memory of the in-memory KV cache
+    num_cached_blocks: int = 0  # blocks of the in-memory cache that hold a prefix (a key)
+    num_loading: int = 0  # requests waiting for KV blocks from a tier
+    kv_tiers: list[KVTierStats] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):
@@ -259,7 +291,7 @@ class EngineControl(msgspec.Struct, kw_only=True):
     """An operator command for the engine core, run between two steps (admin routes)."""
 
     id: int  # echoed in the reply
-    command: str  # 'profile_start', 'profile_stop', 'lora_load', ... (``sluice.server.engine_proc._control``)
+    command: str  # 'kv_checkpoint', 'profile_start', 'profile_stop', 'lora_load', ... (``sluice.server.engine_proc._control``)
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. lora_load: name, path, traceparent
 
 
@@ -301,3 +333,9 @@ class EngineCoreProtocol(Protocol):
         """Loads finished since the last call."""
 
     def has_pending_lora_loads(self) -> bool: ...
+
+    def kv_checkpoint(self) -> dict[str, Any]:
+        """Write every cached prefix block the KV tier lacks, now; a JSON-able report."""
+
+    def close(self, checkpoint: bool = True) -> None:
+        """Release background resources (KV tier threads); ``checkpoint``: save what the tier lacks first."""

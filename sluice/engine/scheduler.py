@@ -28,6 +28,13 @@ the running requests, is set aside for this step (it keeps its place in its
 class) and the requests behind it are admitted; a step's requests are laid out
 grouped by adapter (NOTE(lora-rows)).
 
+With a KV tier (``kv_tiers``), a waiting request's prefix may continue past
+the memory hits with blocks the tier holds: they are reserved and loaded in
+the background while the request sits in ``loading`` (it holds a slot and
+its blocks, and computes nothing); each step it moves on to ``running`` when
+its own loads are done, or back to the front of its queue to recompute when
+one failed.  Other requests run meanwhile.
+
 Preemption is by recompute: the victim's blocks are freed and it goes back to
 the front of its class's queue; it resumes later and produces the same tokens.
 A running request that needs a block when none is free preempts the lowest
@@ -52,6 +59,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.block_manager import BlockManager
+from sluice.engine.kv_tiers.connector import KVTierConnector, LoadState
 from sluice.engine.protocol import EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.request_queue import make_request_queue
@@ -117,6 +125,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         max_loras: int = 1 << 30,  # distinct LoRA adapters among running requests
         adapter_ready: Callable[[Request], bool] | None = None,  # its adapter is in memory (LoRAManager.is_ready)
+        kv_tiers: KVTierConnector | None = None,  # tier below the prefix cache (disk), if any
     ):
         self.clock = clock
         self.max_loras = max_loras
@@ -129,6 +138,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
+        self.kv_tiers = kv_tiers
+        self.loading: list[Request] = []  # admitted, waiting for their KV blocks from a tier
         self.num_preemptions = 0
         # (added at, ttft_target), targets increasing front to back: a sliding-window minimum
         self._recent_targets: deque[tuple[float, float]] = deque()
@@ -163,9 +174,13 @@ class Scheduler:
         req.timings.finished = now
         if req in self.running:
             self.running.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)
         else:
             self.waiting.remove(req)
         self.block_manager.free_request(req)
+        if self.kv_tiers is not None:
+            self.kv_tiers.forget(req)
         del self.requests[req.request_id]
 
     def has_unfinished(self) -> bool:
@@ -209,16 +224,37 @@ class Scheduler:
             step.out.prefill_tokens_by_priority[req.priority] += n
             self.waiting.charge(req.priority, n)
 
-    def _first_chunk(self, req: Request, budget: int) -> tuple[list[int], int]:
-        """Cached prefix blocks of a waiting request and the size of its first chunk after them.
+    def _first_chunk(self, req: Request, budget: int) -> tuple[list[int], list[int], int]:
+        """Cached prefix blocks of a waiting request, the tier keys after them, and its first chunk.
 
         NOTE(waiting-state): a waiting request holds no blocks and has computed
         nothing (it is new, or was preempted and reset), so its first chunk
-        starts right after the prefix the cache already holds.
+        starts right after the prefix the cache (and the tier) already holds.
         """
         cached = self.block_manager.lookup_prefix(req)
-        num_cached_tokens = len(cached) * self.block_manager.block_size
-        return cached, min(req.num_tokens - num_cached_tokens, budget)
+        tier = self.kv_tiers.lookup(req, len(cached)) if self.kv_tiers is not None else []
+        num_cached_tokens = (len(cached) + len(tier)) * self.block_manager.block_size
+        return cached, tier, min(req.num_tokens - num_cached_tokens, budget)
+
+    def _admit_loaded(self) -> None:
+        """Requests whose tier loads finished: run them, or requeue them to recompute."""
+        if self.kv_tiers is None:
+            return
+        if self.kv_tiers.has_loads():  # also loads whose request was aborted: release their blocks
+            self.kv_tiers.poll()
+        for req in list(self.loading):
+            state = self.kv_tiers.load_state(req)
+            if state is LoadState.WAITING:
+                continue
+            self.loading.remove(req)
+            if state is LoadState.READY:
+                req.status = RequestStatus.RUNNING
+                bisect.insort(self.running, req, key=self._order_key)
+            else:  # a block it needed did not arrive; the tier dropped it: recompute
+                self.block_manager.free_request(req)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = -1
+                self.waiting.prepend(req)
 
     def _is_behind(self, req: Request | None, now: float) -> bool:
         # NOTE(behind): a request is behind once it has used half of its TTFT
@@ -232,7 +268,7 @@ class Scheduler:
         decay = math.exp(-max(0.0, now - self._peak_at) / PEAK_DECAY_S)
         self._peak_at = now
         counts = [0 for _ in Priority]
-        for r in self.running:
+        for r in (*self.running, *self.loading):  # a loading request holds its slot
             counts[r.priority] += 1
         self.peak_running = [max(float(n), p * decay) for n, p in zip(counts, self.peak_running, strict=True)]
 
@@ -272,6 +308,7 @@ class Scheduler:
             seq_limit = min(seq_limit, max(1, budget // 2))
         step = _Step(SchedulerOutput(seq_limit=seq_limit), budget, {}, self.clock(), seq_limit)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
+        self._admit_loaded()
         self.running.sort(key=self._order_key)
         self._update_peaks(step.now)
         # 1: running decodes, most urgent first, one token each
@@ -360,7 +397,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             need = req.num_tokens - req.num_computed_tokens
         else:
-            _, need = self._first_chunk(req, self.max_num_batched_tokens)
+            _, _, need = self._first_chunk(req, self.max_num_batched_tokens)
         for s in reversed(list(step.out.scheduled)):
             if step.budget >= need:
                 break
@@ -375,12 +412,13 @@ class Scheduler:
         if req in step.out.preempted:
             return False  # NOTE(thrash): a request preempted this step waits for the next one
         bm = self.block_manager
-        cached, n = self._first_chunk(req, step.budget)
-        num_cached_tokens = len(cached) * bm.block_size
+        cached, tier, n = self._first_chunk(req, step.budget)
+        num_memory_tokens = len(cached) * bm.block_size
+        num_cached_tokens = num_memory_tokens + len(tier) * bm.block_size
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
         lower = [r for r in self.running if r.priority > req.priority]
         limit = self.seq_limit_for(req.priority, step.seq_limit)
-        if len(self.running) - len(lower) >= limit:
+        if len(self.running) + len(self.loading) - len(lower) >= limit:
             return False  # every slot it may use is held by this class or a higher one
         if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
             return False  # even preempting every lower class would not make it fit
@@ -389,7 +427,7 @@ class Scheduler:
         # newest first, by recompute: on CPU, recomputing a short prefix costs
         # less than copying its blocks out and back (no swap space), and the
         # victim's full blocks stay in the prefix cache until evicted.
-        if len(self.running) >= limit:  # one slot, even when the limit fell below the running count
+        if len(self.running) + len(self.loading) >= limit:  # one slot, even when the limit fell below the running count
             victim = self._lower_victim(req.priority)
             if victim is None:
                 return False
@@ -401,10 +439,13 @@ class Scheduler:
             self._preempt(victim, step)
         self.waiting.pop_head(req.priority)
         bm.allocate(req, num_cached_tokens + n, cached)
-        req.num_computed_tokens = num_cached_tokens  # the prefix blocks hold its K/V already
+        req.num_computed_tokens = num_cached_tokens  # the prefix blocks hold (or will hold) its K/V
         if req.num_cached_tokens < 0:  # first admission: account prefix hits
             req.num_cached_tokens = num_cached_tokens
-            bm.record_lookup(req.num_prompt_tokens, num_cached_tokens)
+            bm.record_lookup(req.num_prompt_tokens, num_memory_tokens)
+        if self.kv_tiers is not None and self.kv_tiers.start_load(req, len(cached), tier):
+            self.loading.append(req)  # computes nothing until its blocks arrived
+            return True
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self._order_key)
         self._add(step, req, n)

@@ -9,6 +9,7 @@ that waits for it.  Tests pass fakes through the same parameters
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (200 only when the engine is ready and the
 server is not draining), ``GET /metrics``; ``/admin/profile`` (``sluice.server.profiling``);
+``/admin/kv`` and ``/admin/kv/checkpoint`` (``sluice.server.admin``);
 LoRA adapters: ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``
 (``sluice.server.lora_routes``).
 """
@@ -41,6 +42,7 @@ from sluice.errors import PayloadTooLargeError, ServiceUnavailableError, SluiceE
 from sluice.http_errors import error_response, from_http_status, to_sluice_error
 from sluice.obs.placement import Placement
 from sluice.obs.tracing import Tracing, build_tracer_provider
+from sluice.server.admin import add_admin_routes
 from sluice.server.admission import AdmissionController
 from sluice.server.codec import TextCodec, load_codec
 from sluice.server.config import ServerSettings
@@ -284,6 +286,7 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_profile_routes(app, state)  # /admin/profile
+    add_admin_routes(app, state)  # /admin/kv
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -83,6 +83,7 @@ def run_engine_core(
         push.close()
         sys.exit(3)
     push.send_multipart(encode(Kind.READY, engine.model_info))
+    _publish_stats(push, engine)  # gauges and /admin/kv are right before the first request
 
     dec = Decoders()
     profiler = StepProfiler()  # torch.profiler, off until POST /admin/profile
@@ -111,6 +112,7 @@ def run_engine_core(
                 reply = _control(engine, profiler, dec.control.decode(payload), lora_tickets)
                 if reply is not None:  # None: a LoRA load, answered when it finished
                     push.send_multipart(encode(Kind.CONTROL_REPLY, reply))
+                _publish_stats(push, engine)
         if os.getppid() != parent:
             break
         busy = engine.has_unfinished_requests()
@@ -133,9 +135,21 @@ def run_engine_core(
             if cid is not None:
                 push.send_multipart(encode(Kind.CONTROL_REPLY, _load_reply(cid, rec)))
         was_busy = busy
+    # NOTE(kv-checkpoint-on-exit): a graceful stop (SIGTERM, or the API process
+    # gone) writes the cached prefix blocks the disk tier lacks, so a restart
+    # hits; with write-through that is only the last few blocks.
+    try:
+        engine.close(checkpoint=True)
+    except Exception:  # noqa: BLE001 -- exiting anyway
+        log.exception("closing the engine failed")
     pull.close(linger=0)
     push.close()
     ctx.term()
+
+
+def _publish_stats(push: zmq.Socket, engine: EngineCoreProtocol) -> None:
+    stats = EngineCoreOutputs(outputs=[], stats=engine.make_stats(), timestamp=time.monotonic())
+    push.send_multipart(encode(Kind.OUTPUTS, stats))
 
 
 def _control(
@@ -152,6 +166,8 @@ def _control(
         if msg.command == "lora_unload":
             engine.unload_lora_adapter(msg.args["name"])
             return EngineControlReply(id=msg.id, result={"lora_name": msg.args["name"]})
+        if msg.command == "kv_checkpoint":
+            return EngineControlReply(id=msg.id, result=engine.kv_checkpoint())
         raise InvalidRequestError(f"unknown engine command {msg.command!r}")
     except Exception as e:  # noqa: BLE001 -- the admin route reports it; the engine keeps serving
         err = e if isinstance(e, SluiceError) else SluiceError(f"{type(e).__name__}: {e}")

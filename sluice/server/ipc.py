@@ -6,7 +6,7 @@ frames: a one-byte kind and a msgspec-msgpack payload::
 
     API -> engine   b"R"  list[EngineRequest]     add (n > 1 arrives as one batch)
                     b"A"  EngineAbort             abort
-                    b"C"  EngineControl           operator command (admin routes: profile, ...)
+                    b"C"  EngineControl           operator command (admin routes: profile, kv, ...)
     engine -> API   b"O"  EngineCoreOutputs       one per engine step (+ stats)
                     b"Y"  ModelInfo               ready: the model is loaded
                     b"E"  EngineError             start-up failed (one readable line)

@@ -18,6 +18,13 @@ turns a request's timings into its queue / prefill / decode spans::
     sluice_requests_total{status,priority}           counter, status = HTTP code (499: client went away)
     sluice_prompt_tokens_total / _generation_tokens_total
     sluice_host_cpu_utilization_ratio / sluice_host_memory_used_ratio   (sluice.obs.host)
+    sluice_kv_tier_hits_total{tier} / _hit_tokens_total{tier}      counters: prompt blocks / tokens found
+                                                                    per tier (memory, disk)
+    sluice_kv_tier_blocks{tier} / _bytes{tier} / _capacity_bytes{tier}   gauges: what each tier holds
+    sluice_kv_tier_enabled{tier}                                    gauge: 0 once a failing disk turned it off
+    sluice_kv_tier_load_seconds{tier}                               histogram: a request's wait for its blocks
+    sluice_kv_tier_load_bytes_total / _store_bytes_total / _store_seconds_total / _stored_blocks_total /
+    _dropped_blocks_total / _evicted_blocks_total / _corrupt_total / _load_failures_total   {tier} counters
 
 SLO admission (issue 11; ``sluice.server.admission``)::
 
@@ -64,6 +71,7 @@ __all__ = ["ServerMetrics", "EngineStatsCollector", "CONTENT_TYPE_LATEST", "reco
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_KV_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 PRIORITIES = ("p0", "p1", "p2")
 _ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -78,6 +86,7 @@ class ServerMetrics:
         self.tpot = Histogram("sluice_time_per_output_token_seconds", "Mean time per output token after the first, per request.", lab, registry=r, buckets=_TPOT_BUCKETS)
         self.e2e = Histogram("sluice_e2e_request_latency_seconds", "End-to-end request latency.", lab, registry=r, buckets=_LATENCY_BUCKETS)
         self.queue = Histogram("sluice_queue_time_seconds", "Time from arrival to first scheduling.", lab, registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_load = Histogram("sluice_kv_tier_load_seconds", "Wait of a request for its KV blocks from a tier (admission to all blocks in memory).", ["tier"], registry=r, buckets=_KV_LOAD_BUCKETS)
         # engine gauges / cumulative counters: read from the latest EngineStats at
         # scrape time (see EngineStatsCollector), so a step costs one assignment.
         self.engine = EngineStatsCollector()
@@ -106,6 +115,9 @@ class ServerMetrics:
 
     def observe_stats(self, s: EngineStats) -> None:
         self.engine.latest = s
+        for t in s.kv_tiers:  # each wait is in exactly one snapshot
+            for seconds in t.recent_load_seconds:
+                self.kv_load.labels(tier=t.name).observe(seconds)
 
     def observe_finished(self, priority: str, t: RequestTimings | None, num_generated: int) -> None:
         """One finished engine request (one choice), timings from the engine."""
@@ -176,6 +188,7 @@ class EngineStatsCollector(Collector):
         for p, v in zip(PRIORITIES, s.num_prefill_tokens_by_priority):
             g.add_metric([p], v)
         yield g
+        yield from _kv_tier_metrics(s)
 
         if s.lora is not None:
             yield from _lora_metrics(s)
@@ -218,6 +231,39 @@ class SloSignalCollector(Collector):
             target.add_metric([p], t)
         yield pred
         yield target
+
+
+
+def _kv_tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Per-tier KV metrics: the in-memory cache is tier 'memory', then each tier below it."""
+
+    def family(kind: type, name: str, doc: str, memory: float | None, attr: str) -> Metric:
+        m = kind(name, doc, labels=["tier"])
+        if memory is not None:
+            m.add_metric(["memory"], memory)
+        for t in s.kv_tiers:
+            m.add_metric([t.name], float(getattr(t, attr)))
+        return m
+
+    bs = 16  # tokens per block (DESIGN.md)
+    per_block = s.kv_cache_bytes // s.num_total_blocks if s.num_total_blocks else 0
+    yield family(CounterMetricFamily, "sluice_kv_tier_hits", "Prompt KV blocks found, per tier.", s.prefix_cache_hits // bs, "hit_blocks")
+    yield family(CounterMetricFamily, "sluice_kv_tier_hit_tokens", "Prompt tokens whose KV was found, per tier.", s.prefix_cache_hits, "hit_tokens")
+    yield family(GaugeMetricFamily, "sluice_kv_tier_blocks", "KV blocks holding a prefix, per tier.", s.num_cached_blocks, "num_blocks")
+    yield family(GaugeMetricFamily, "sluice_kv_tier_bytes", "Bytes of the KV blocks held, per tier.", s.num_cached_blocks * per_block, "num_bytes")
+    yield family(GaugeMetricFamily, "sluice_kv_tier_capacity_bytes", "Capacity of each KV tier in bytes.", s.kv_cache_bytes, "capacity_bytes")
+    yield family(GaugeMetricFamily, "sluice_kv_tier_enabled", "1 while a KV tier is in use; 0 once a failing device turned it off.", 1.0, "is_enabled")
+    for name, doc, attr in (
+        ("sluice_kv_tier_load_bytes", "Bytes loaded from a KV tier.", "load_bytes"),
+        ("sluice_kv_tier_store_bytes", "Bytes written to a KV tier.", "store_bytes"),
+        ("sluice_kv_tier_store_seconds", "Busy time of a KV tier's writer.", "store_seconds"),
+        ("sluice_kv_tier_stored_blocks", "KV blocks written to a tier.", "num_stored_blocks"),
+        ("sluice_kv_tier_dropped_blocks", "KV blocks a tier did not take (writer behind, tier off).", "num_dropped_blocks"),
+        ("sluice_kv_tier_evicted_blocks", "KV blocks removed by a tier's size cap.", "num_evicted_blocks"),
+        ("sluice_kv_tier_corrupt", "Files or blocks found truncated, corrupt or foreign, and removed.", "num_corrupt"),
+        ("sluice_kv_tier_load_failures", "Requests that recomputed because a block failed to load.", "num_load_failures"),
+    ):
+        yield family(CounterMetricFamily, name, doc, None, attr)
 
 
 def record_stages(tracing: Tracing, parent: Span, t: RequestTimings | None, attributes: dict[str, str | int]) -> None:

@@ -229,6 +229,13 @@ class FakeEngineCore:
                            loaded=sorted(self.adapters), num_loads=self.num_lora_loads),  # fmt: skip
         )
 
+    def kv_checkpoint(self) -> dict[str, Any]:
+        self.num_kv_checkpoints = getattr(self, "num_kv_checkpoints", 0) + 1
+        return {"enabled": False, "reason": "fake engine", "num_written_blocks": 0}
+
+    def close(self, checkpoint: bool = True) -> None:
+        pass
+
     # -- internals -----------------------------------------------------------------
 
     def _next_token(self, r: _Req) -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sluice.engine.kv_quant import KVCache, KVCacheFormat, dequantize, quantize, resolve_kv_format
-from sluice.errors import InvalidRequestError
+from sluice.errors import ConfigError
 
 L, HKV, D, BS = 2, 2, 64, 16
 ALL = ["fp32", "bf16", "fp8", "int8"]
@@ -30,7 +30,7 @@ def test_auto_resolves_to_the_model_dtype_and_unknown_names_are_rejected() -> No
     assert resolve_kv_format(None, torch.bfloat16).name == "bf16"
     assert resolve_kv_format("fp8", torch.float32).storage_dtype == torch.float8_e4m3fn
     assert resolve_kv_format("int8", torch.bfloat16).storage_dtype == torch.int8
-    with pytest.raises(InvalidRequestError, match="fp4"):
+    with pytest.raises(ConfigError, match="fp4"):
         resolve_kv_format("fp4", torch.float32)
 
 

@@ -9,11 +9,12 @@ import sys
 import pytest
 
 from sluice.kernels import ext
+from sluice.kernels.build_spec import EXTENSIONS
 
 
 def test_install_time_builds_are_the_ones_loaded() -> None:
     status = ext.status()
-    assert set(status) == {"attention", "quant"}
+    assert set(status) == set(EXTENSIONS) == {"attention", "quant", "lora"}
     for name, info in status.items():
         assert info["how"] in ("prebuilt", "jit"), f"{name}: {info}"
     if any(info["how"] != "prebuilt" for info in status.values()):

@@ -223,6 +223,10 @@ class KVTier:
     def is_enabled(self) -> bool:
         return self.stats.is_enabled
 
+    @property
+    def is_writable(self) -> bool:
+        return self.stats.is_enabled and self.stats.is_writable
+
     def count_prefix(self, hashes: Sequence[int]) -> int:
         """Number of leading ``hashes`` this tier holds (0 when disabled)."""
         if not self.stats.is_enabled:

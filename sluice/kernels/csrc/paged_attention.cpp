@@ -3,6 +3,8 @@
 //   q: (T, H, D); k_cache/v_cache: (NB, BS, Hkv, D); block_tables: (S, MB) int32;
 //   query_start_loc: (S+1) int32; seq_lens: (S) int32; skip: (S) uint8, sequences
 //   whose rows the caller fills itself (left untouched here).  Out: (T, H, D).
+//   k_scales/v_scales: (NB, BS, Hkv) float32 for a quantized cache (float8_e4m3fn
+//   or int8 codes, value = code * scale of its row and KV head), empty otherwise.
 //
 // Online softmax over the blocks of each sequence, one (token, KV head) per
 // work item, OpenMP across items.  Built at install time (setup.py) without
@@ -12,15 +14,47 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-template <typename scalar_t>
+// fp8 e4m3fn code -> float, branch-free and exact (vectorises; no table).
+//   normal    (e > 0): 2^(e-7) * (1 + m/8) = the float with exponent e+120, mantissa m<<20
+//   subnormal (e = 0): m * 2^-9            (an integer times 2^-9, so flush-to-zero,
+//                                            which the engine sets while the model runs,
+//                                            cannot touch it)
+// NaN codes (0x7f, 0xff) never occur: the writer clamps to +-448.
+static inline __attribute__((always_inline)) float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t mag = b & 0x7Fu;
+  const uint32_t normal_bits = (mag << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, 4);
+  const float sub = (float)(mag & 7u) * 0.001953125f;
+  float f = (mag >> 3) ? normal : sub;
+  uint32_t fb;
+  std::memcpy(&fb, &f, 4);
+  fb |= (uint32_t)(b & 0x80u) << 24;
+  std::memcpy(&f, &fb, 4);
+  return f;
+}
+
+struct Fp8 {  // storage tag: the cache holds float8_e4m3fn codes, read as bytes
+  uint8_t bits;
+};
+
+static inline __attribute__((always_inline)) float to_float(float x) { return x; }
+static inline __attribute__((always_inline)) float to_float(c10::BFloat16 x) { return (float)x; }
+static inline __attribute__((always_inline)) float to_float(int8_t x) { return (float)x; }
+static inline __attribute__((always_inline)) float to_float(Fp8 x) { return fp8_e4m3_to_float(x.bits); }
+
+template <typename scalar_t, typename kv_t>
 struct Args {
   const scalar_t* q;
-  const scalar_t* k;
-  const scalar_t* v;
+  const kv_t* k;
+  const kv_t* v;
+  const float* ks;  // (NB, BS, Hkv) row scales; nullptr: the cache is not quantized
+  const float* vs;
   const int32_t* bt;
   const int32_t* qsl;
   const int32_t* sl;
@@ -40,8 +74,8 @@ constexpr int kMaxBlock = 64;   // block_size
 // For each block of keys: scores, an online-softmax update, then the V sum.
 // The reduction order depends only on the item's own keys, never on the batch
 // or on how its prompt was chunked (batch invariance).
-template <typename scalar_t>
-static inline __attribute__((always_inline)) void attend_items(const Args<scalar_t>& a, int64_t begin,
+template <typename scalar_t, typename kv_t>
+static inline __attribute__((always_inline)) void attend_items(const Args<scalar_t, kv_t>& a, int64_t begin,
                                                                int64_t end) {
   const int64_t D = a.D, BS = a.BS, G = a.group, Hkv = a.H / a.group;
   float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], sc[kMaxGroup][kMaxBlock];
@@ -66,15 +100,28 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
     for (int64_t start = 0; start < n_keys; start += BS) {
       const int64_t blk = table[start / BS];
       const int64_t nb = std::min<int64_t>(BS, n_keys - start);
-      const scalar_t* kb = a.k + blk * a.kv_block + hk * D;
-      const scalar_t* vb = a.v + blk * a.kv_block + hk * D;
+      const kv_t* kb = a.k + blk * a.kv_block + hk * D;
+      const kv_t* vb = a.v + blk * a.kv_block + hk * D;
       // NOTE(kv-load): rows are converted to float scratch first; a quantized cache
-      // dequantizes here, block by block, in place of this copy.
-      for (int64_t j = 0; j < nb; ++j)
-        for (int64_t d = 0; d < D; ++d) {
-          kf[j][d] = (float)kb[j * a.kv_row + d];
-          vf[j][d] = (float)vb[j * a.kv_row + d];
+      // is dequantized here, block by block (code * its row's scale), so the loops
+      // below are the same for every cache dtype.
+      if (a.ks != nullptr) {
+        const float* ksb = a.ks + blk * BS * Hkv + hk;  // row j's scale at [j * Hkv]
+        const float* vsb = a.vs + blk * BS * Hkv + hk;
+        for (int64_t j = 0; j < nb; ++j) {
+          const float kscale = ksb[j * Hkv], vscale = vsb[j * Hkv];
+          for (int64_t d = 0; d < D; ++d) {
+            kf[j][d] = to_float(kb[j * a.kv_row + d]) * kscale;
+            vf[j][d] = to_float(vb[j * a.kv_row + d]) * vscale;
+          }
         }
+      } else {
+        for (int64_t j = 0; j < nb; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            kf[j][d] = to_float(kb[j * a.kv_row + d]);
+            vf[j][d] = to_float(vb[j * a.kv_row + d]);
+          }
+      }
       for (int64_t g = 0; g < G; ++g) {
         float bm = -INFINITY;
         for (int64_t j = 0; j < nb; ++j) {
@@ -110,49 +157,87 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
 
 // NOTE(isa): one clone per ISA, chosen by the loader at start-up; the lambda
 // that OpenMP runs only calls these (a lambda would not inherit the target).
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void attend_f32(const Args<float>& a, int64_t begin, int64_t end) { attend_items(a, begin, end); }
+#define SLUICE_ATTEND(NAME, QT, KVT)                                                       \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void NAME( \
+      const Args<QT, KVT>& a, int64_t b, int64_t e) {                                     \
+    attend_items(a, b, e);                                                                 \
+  }                                                                                        \
+  void attend(const Args<QT, KVT>& a, int64_t b, int64_t e) { NAME(a, b, e); }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void attend_bf16(const Args<c10::BFloat16>& a, int64_t begin, int64_t end) { attend_items(a, begin, end); }
+SLUICE_ATTEND(attend_f32, float, float)
+SLUICE_ATTEND(attend_f32_bf16kv, float, c10::BFloat16)
+SLUICE_ATTEND(attend_f32_fp8kv, float, Fp8)
+SLUICE_ATTEND(attend_f32_i8kv, float, int8_t)
+SLUICE_ATTEND(attend_bf16, c10::BFloat16, c10::BFloat16)
+SLUICE_ATTEND(attend_bf16_f32kv, c10::BFloat16, float)
+SLUICE_ATTEND(attend_bf16_fp8kv, c10::BFloat16, Fp8)
+SLUICE_ATTEND(attend_bf16_i8kv, c10::BFloat16, int8_t)
 
-void attend(const Args<float>& a, int64_t b, int64_t e) { attend_f32(a, b, e); }
-void attend(const Args<c10::BFloat16>& a, int64_t b, int64_t e) { attend_bf16(a, b, e); }
-
-template <typename scalar_t>
-void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& bt,
-         const torch::Tensor& qsl, const torch::Tensor& sl, const torch::Tensor& skip, double scale,
-         torch::Tensor& out) {
+template <typename scalar_t, typename kv_t>
+void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& ks,
+         const torch::Tensor& vs, const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
+         const torch::Tensor& skip, double scale, torch::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = kc.size(1), Hkv = kc.size(2), S = sl.size(0);
   const int32_t* qslp = qsl.data_ptr<int32_t>();
   std::vector<int32_t> seq_of(T);
   for (int64_t s = 0; s < S; ++s)
     for (int32_t t = qslp[s]; t < qslp[s + 1]; ++t) seq_of[t] = (int32_t)s;
-  Args<scalar_t> a{q.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                   bt.data_ptr<int32_t>(), qslp, sl.data_ptr<int32_t>(), skip.data_ptr<uint8_t>(),
-                   seq_of.data(), out.data_ptr<scalar_t>(), H, D, BS, bt.size(1), H / Hkv, Hkv * D,
-                   BS * Hkv * D, (float)scale};
+  const bool quant = ks.numel() > 0;
+  Args<scalar_t, kv_t> a{q.data_ptr<scalar_t>(),
+                         reinterpret_cast<const kv_t*>(kc.data_ptr()),
+                         reinterpret_cast<const kv_t*>(vc.data_ptr()),
+                         quant ? ks.data_ptr<float>() : nullptr,
+                         quant ? vs.data_ptr<float>() : nullptr,
+                         bt.data_ptr<int32_t>(), qslp, sl.data_ptr<int32_t>(), skip.data_ptr<uint8_t>(),
+                         seq_of.data(), out.data_ptr<scalar_t>(), H, D, BS, bt.size(1), H / Hkv, Hkv * D,
+                         BS * Hkv * D, (float)scale};
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
+}
+
+template <typename scalar_t>
+void run_q(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& ks,
+           const torch::Tensor& vs, const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
+           const torch::Tensor& skip, double scale, torch::Tensor& out) {
+  switch (kc.scalar_type()) {
+    case torch::kFloat: return run<scalar_t, float>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
+    case torch::kBFloat16: return run<scalar_t, c10::BFloat16>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
+    case torch::kFloat8_e4m3fn: return run<scalar_t, Fp8>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
+    case torch::kChar: return run<scalar_t, int8_t>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
+    default: TORCH_CHECK(false, "paged_attention: KV cache must be float32, bfloat16, float8_e4m3fn or int8");
+  }
 }
 
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor query_start_loc,
-                              torch::Tensor seq_lens, torch::Tensor skip, double scale) {
+                              torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor block_tables,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor skip,
+                              double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
   TORCH_CHECK(skip.dtype() == torch::kUInt8 && skip.numel() == seq_lens.numel(), "skip: uint8, one per sequence");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(1) / k_cache.size(2) <= kMaxGroup, "query heads per KV head <= 16");
   TORCH_CHECK(q.size(2) <= kMaxDim && k_cache.size(1) <= kMaxBlock, "head_dim <= 256, block_size <= 64");
+  const bool quant = k_cache.scalar_type() == torch::kFloat8_e4m3fn || k_cache.scalar_type() == torch::kChar;
+  if (quant) {
+    const auto want = std::vector<int64_t>{k_cache.size(0), k_cache.size(1), k_cache.size(2)};
+    TORCH_CHECK(k_scales.dtype() == torch::kFloat && v_scales.dtype() == torch::kFloat &&
+                    k_scales.is_contiguous() && v_scales.is_contiguous() && k_scales.sizes() == want &&
+                    v_scales.sizes() == want,
+                "a quantized KV cache needs float32 scales of shape (num_blocks, block_size, num_kv_heads)");
+  } else {
+    TORCH_CHECK(k_scales.numel() == 0 && v_scales.numel() == 0, "scales are for a quantized cache only");
+  }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat)
-    run<float>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, skip, scale, out);
+    run_q<float>(q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, skip, scale, out);
   else if (q.scalar_type() == torch::kBFloat16)
-    run<c10::BFloat16>(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, skip, scale, out);
+    run_q<c10::BFloat16>(q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, skip,
+                         scale, out);
   else
-    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 queries only");
   return out;
 }
 
