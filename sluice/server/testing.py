@@ -69,10 +69,12 @@ class FakeEngineCore:
         max_model_len: int = 512,
         load_delay: float = 0.0,
         lora_load_delay: float = 0.0,
+        busy_step: bool = False,  # spin through step_delay (CPU work a sampling profiler sees) instead of sleeping
     ):
         time.sleep(load_delay)  # a slow model load, for /health tests
         self.config = config
         self.step_delay = step_delay
+        self.busy_step = busy_step
         self.max_model_len = config.max_model_len or max_model_len
         self.model_info = ModelInfo(
             name="fake",
@@ -117,7 +119,11 @@ class FakeEngineCore:
         return bool(self.waiting or self.running or self.to_abort)
 
     def step(self) -> list[EngineOutput]:
-        if self.step_delay:
+        if self.step_delay and self.busy_step:
+            end = time.perf_counter() + self.step_delay
+            while time.perf_counter() < end:
+                pass
+        elif self.step_delay:
             time.sleep(self.step_delay)
         self.num_steps += 1
         outs: list[EngineOutput] = []

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not ins
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    srv = start_fake_server(step_delay=0.005, profile_dir=str(tmp_path_factory.mktemp("profiles")),
+    # NOTE(busy-engine): py-spy skips idle (sleeping) threads; a fake step that
+    # sleeps would leave the engine core with no samples on a slow machine.
+    srv = start_fake_server(step_delay=0.005, engine_kwargs={"busy_step": True}, profile_dir=str(tmp_path_factory.mktemp("profiles")),
                             profile_keep=3, profile_max_seconds=5)  # fmt: skip
     yield srv
     srv.stop()
