@@ -298,6 +298,11 @@ def start_sluice(args: argparse.Namespace, variant: str = "sluice") -> Server:
     cmd = [sys.executable, "-m", "sluice.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
            "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
            "--max-queued-requests", "4096", *extra]
+    # NOTE(no-shedding): a capacity comparison: every request is served, as the
+    # peers do (they never shed); admission by predicted wait (--slo, on by
+    # default) would turn part of a closed-loop c=32 burst away with 429s.
+    # benchmarks/overload.py measures that behaviour.
+    cmd += ["--slo", "off"]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]
     if args.num_threads:
