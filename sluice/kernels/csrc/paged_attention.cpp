@@ -7,7 +7,9 @@
 //   or int8 codes, value = code * scale of its row and KV head), empty otherwise.
 //
 // Online softmax over the blocks of each sequence, one (token, KV head) per
-// work item, OpenMP across items.  Built at install time (setup.py) without
+// work item, OpenMP across items.  A float32 cache is read in place; the V sum
+// keeps 16 output dims in registers across a block's keys (measured on a Zen 4
+// core, 32 decodes x 160 keys, SmolLM2's heads: 440 -> 280 us a layer).  Built at install time (setup.py) without
 // -march=native: the row loop is compiled once per ISA (target_clones) and the
 // best clone is picked when the library loads.
 #include <torch/extension.h>
@@ -15,6 +17,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -65,6 +68,8 @@ struct Args {
   float scale;
 };
 
+typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one zmm, two ymm or four xmm
+
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxDim = 256;    // head_dim
 constexpr int kMaxBlock = 64;   // block_size
@@ -102,31 +107,44 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
       const int64_t nb = std::min<int64_t>(BS, n_keys - start);
       const kv_t* kb = a.k + blk * a.kv_block + hk * D;
       const kv_t* vb = a.v + blk * a.kv_block + hk * D;
-      // NOTE(kv-load): rows are converted to float scratch first; a quantized cache
-      // is dequantized here, block by block (code * its row's scale), so the loops
-      // below are the same for every cache dtype.
-      if (a.ks != nullptr) {
-        const float* ksb = a.ks + blk * BS * Hkv + hk;  // row j's scale at [j * Hkv]
-        const float* vsb = a.vs + blk * BS * Hkv + hk;
-        for (int64_t j = 0; j < nb; ++j) {
-          const float kscale = ksb[j * Hkv], vscale = vsb[j * Hkv];
-          for (int64_t d = 0; d < D; ++d) {
-            kf[j][d] = to_float(kb[j * a.kv_row + d]) * kscale;
-            vf[j][d] = to_float(vb[j * a.kv_row + d]) * vscale;
-          }
-        }
+      // NOTE(kv-load): a float32 cache is read in place; other dtypes are converted
+      // to float scratch first, block by block (a quantized one: code * its row's
+      // scale), so the loops below are the same for every cache dtype.
+      const float* krows;
+      const float* vrows;
+      int64_t row_stride;
+      if constexpr (std::is_same_v<kv_t, float>) {
+        krows = kb;
+        vrows = vb;
+        row_stride = a.kv_row;
       } else {
-        for (int64_t j = 0; j < nb; ++j)
-          for (int64_t d = 0; d < D; ++d) {
-            kf[j][d] = to_float(kb[j * a.kv_row + d]);
-            vf[j][d] = to_float(vb[j * a.kv_row + d]);
+        if (a.ks != nullptr) {
+          const float* ksb = a.ks + blk * BS * Hkv + hk;  // row j's scale at [j * Hkv]
+          const float* vsb = a.vs + blk * BS * Hkv + hk;
+          for (int64_t j = 0; j < nb; ++j) {
+            const float kscale = ksb[j * Hkv], vscale = vsb[j * Hkv];
+            for (int64_t d = 0; d < D; ++d) {
+              kf[j][d] = to_float(kb[j * a.kv_row + d]) * kscale;
+              vf[j][d] = to_float(vb[j * a.kv_row + d]) * vscale;
+            }
           }
+        } else {
+          for (int64_t j = 0; j < nb; ++j)
+            for (int64_t d = 0; d < D; ++d) {
+              kf[j][d] = to_float(kb[j * a.kv_row + d]);
+              vf[j][d] = to_float(vb[j * a.kv_row + d]);
+            }
+        }
+        krows = &kf[0][0];
+        vrows = &vf[0][0];
+        row_stride = kMaxDim;
       }
       for (int64_t g = 0; g < G; ++g) {
         float bm = -INFINITY;
         for (int64_t j = 0; j < nb; ++j) {
           float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kf[j][d];
+          const float* kr = krows + j * row_stride;
+          for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kr[d];
           sc[g][j] = dot;
           bm = std::max(bm, dot);
         }
@@ -139,11 +157,27 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
         }
         l[g] = l[g] * corr + lsum;
         m[g] = m_new;
+        // V sum, 16 output dims at a time held in registers across the block's
+        // keys (per dim the same operations in the same order: corr, then key by key).
         float* ag = acc[g];
-        for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-        for (int64_t j = 0; j < nb; ++j) {
-          const float p = sc[g][j];
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[j][d];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          if (D - d0 >= 16) {
+            v16 r;
+            std::memcpy(&r, ag + d0, sizeof r);
+            r *= corr;
+            for (int64_t j = 0; j < nb; ++j) {
+              v16 vr;
+              std::memcpy(&vr, vrows + j * row_stride + d0, sizeof vr);
+              r += sc[g][j] * vr;
+            }
+            std::memcpy(ag + d0, &r, sizeof r);
+          } else {
+            for (int64_t d = d0; d < D; ++d) {
+              float r = ag[d] * corr;
+              for (int64_t j = 0; j < nb; ++j) r += sc[g][j] * vrows[j * row_stride + d];
+              ag[d] = r;
+            }
+          }
         }
       }
     }
