@@ -24,21 +24,15 @@ made to wait behind it.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+from sluice.engine.config import SchedulingPolicy
 from sluice.engine.request import Request
 from sluice.types import PRIORITY_WEIGHTS, Priority
 
-__all__ = ["QueuePolicy", "RequestQueue", "ClassChoice", "make_request_queue"]
-
-
-class QueuePolicy(str, enum.Enum):
-    FCFS = "fcfs"
-    PRIORITY = "priority"
-    WFQ = "wfq"
+__all__ = ["RequestQueue", "ClassChoice", "make_request_queue"]
 
 
 class ClassChoice:
@@ -167,10 +161,11 @@ class WFQQueue(RequestQueue):
         self.vtime[priority] += num_tokens / self.weights[Priority(priority)]
 
 
-def make_request_queue(policy: str | QueuePolicy) -> RequestQueue:
-    p = QueuePolicy(policy)
-    if p is QueuePolicy.FCFS:
+def make_request_queue(policy: str | SchedulingPolicy) -> RequestQueue:
+    """The queue of one ``--scheduling-policy`` (``SchedulingPolicy``, engine/config.py, names them)."""
+    p = SchedulingPolicy(policy)
+    if p is SchedulingPolicy.FCFS:
         return FCFSQueue()
-    if p is QueuePolicy.PRIORITY:
+    if p is SchedulingPolicy.PRIORITY:
         return PriorityQueue()
     return WFQQueue()

@@ -108,10 +108,11 @@ def test_cli_reports_bad_flag_without_traceback() -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_scheduling_policy_names_are_the_request_queue_policies() -> None:
+def test_every_scheduling_policy_builds_its_own_queue() -> None:
     from sluice.engine.config import SchedulingPolicy
-    from sluice.engine.request_queue import QueuePolicy
+    from sluice.engine.request_queue import make_request_queue
 
-    assert {p.value for p in SchedulingPolicy} == {p.value for p in QueuePolicy}, (
-        "--scheduling-policy must accept exactly the queue policies the engine builds"
-    )
+    kinds = {type(make_request_queue(p.value)) for p in SchedulingPolicy}
+    assert len(kinds) == len(SchedulingPolicy), "--scheduling-policy names one queue each"
+    with pytest.raises(ValueError):
+        make_request_queue("lifo")
