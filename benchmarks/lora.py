@@ -73,6 +73,7 @@ def start_server(args: argparse.Namespace, adapters: dict[str, Path]) -> Server:
     modules = [f"{n}={p}" for n, p in adapters.items() if n != "fresh"]
     cmd = [sys.executable, "-m", "sluice.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
            "--max-num-seqs", str(max(args.levels)), "--log-level", "warning", "--max-queued-requests", "4096",
+           "--slo", "off",  # a throughput comparison: every request served (NOTE(no-shedding) in serving.py)
            "--max-loras", str(NUM_ADAPTERS), "--max-cpu-loras", str(NUM_ADAPTERS),
            "--max-lora-rank", str(max(args.rank, 16)), "--lora-modules", *modules]  # fmt: skip
     if args.kv_cache_memory:

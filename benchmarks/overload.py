@@ -164,7 +164,7 @@ def start_server(name: str, args: argparse.Namespace) -> Iterator[Server]:
             server = Server(name, f"http://127.0.0.1:{gport}", "smollm2", False, procs)
             _wait_healthy(server.url, procs, 60)
         elif name == "vllm":
-            hf = ROOT / ".peer" / "smollm2-hf"
+            hf = ROOT / ".peers" / "smollm2-hf"  # the copy serving.py uses (benchmarks/export_hf.py)
             if not (hf / "config.json").exists():
                 subprocess.run([PY, str(ROOT / "benchmarks" / "export_hf.py"), str(hf)], check=True)
             port = _free_port()

@@ -442,7 +442,11 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
 async def run_level(server: Server, concurrency: int, num_requests: int, seed: int) -> dict[str, Any]:
     prompts = make_prompts(num_requests, seed, (97, 123) if server.name == "fake" else (1000, 30000))
     sem = asyncio.Semaphore(concurrency)
-    conn = aiohttp.TCPConnector(limit=0)
+    # NOTE(fresh-connections): one connection per request, for every system:
+    # llama-server closes idle keep-alive connections, and a request written on
+    # one it just closed fails before reaching it (ServerDisconnected), which
+    # would count against the peer.  A local connect costs well under 1 ms.
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=1800)
     cpu0 = server.api_cpu_seconds()
 
