@@ -128,7 +128,9 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
       // caches, and 16 rows of one head are too short a stream for the hardware
       // prefetcher: ask for the rows kPrefetchBlocks blocks ahead, running on
       // into the next item's first blocks.
-      {
+      // Only a sequence's first query token of the step prefetches: the tokens
+      // after it (a prefill chunk) read the same blocks, by then in the cache.
+      if (t == a.qsl[s]) {
         int64_t ahead = start / BS + kPrefetchBlocks, it = item, hk2 = hk;
         const int32_t* tab = table;
         const int64_t nblocks = (n_keys + BS - 1) / BS;
@@ -140,7 +142,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
             const int64_t t2 = it / Hkv;
             const int32_t s2 = a.seq_of[t2];
             const int64_t n2 = a.sl[s2] - (a.qsl[s2 + 1] - a.qsl[s2]) + (t2 - a.qsl[s2]) + 1;
-            if (!a.skip[s2] && ahead * BS < n2) {
+            if (!a.skip[s2] && t2 == a.qsl[s2] && ahead * BS < n2) {
               tab = a.bt + s2 * a.MB;
               hk2 = it % Hkv;
             }
