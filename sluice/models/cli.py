@@ -64,7 +64,7 @@ def quantize_report(
     group_size: int | None = None,
     quant_fallback: str = "auto",
     kl_bound: float | None = None,
-    quantize_head: bool = False,
+    quantize_head: bool | None = None,
     out: Path | None = None,
     as_json: bool = False,
 ) -> dict[str, Any]:
@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
         group_size: int | None = typer.Option(None, "--group-size", help="int8/int4: inputs per scale (32, 64, 128; -1: per channel). Default 32."),
         quant_fallback: str = typer.Option("auto", "--quant-fallback", help="auto | none | PATTERN,... (fnmatch globs on HF names kept float32)"),
         kl_bound: float | None = typer.Option(None, "--kl-bound", help="auto fallback: model error bound, KL nats/token (default 0.05)."),
-        quantize_head: bool = typer.Option(False, "--quantize-head", help="int8/int4: quantize the LM head too."),
+        quantize_head: bool | None = typer.Option(None, "--quantize-head/--float-head", help="Quantize the LM head (and a tied embedding) too; default: int8 yes, int4 no."),
         out: Path | None = typer.Option(None, "--out", help="Write the quantized checkpoint to this directory."),
         as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document instead of a table."),
     ) -> None:

@@ -57,11 +57,13 @@ _gguf_hf_name = gguf_hf_name
 log = logging.getLogger("sluice.models")
 
 LAYOUT_VERSION = 1  # bump when the packed layout or the manifest format changes
+RTN_RULES = 2  # int8/int4 at load: bump when what gets quantized changes (2: int8 heads, NOTE(int8-head))
 
 
 def _variant(quantization: str, quant_fallback: str, dtype: Any) -> str:
     fb = hashlib.sha256(quant_fallback.encode()).hexdigest()[:8]
-    return f"{quantization}-{fb}-{str(dtype).removeprefix('torch.')}-L{LAYOUT_VERSION}"
+    rules = f"-R{RTN_RULES}" if quantization in ("int8", "int4") else ""
+    return f"{quantization}-{fb}-{str(dtype).removeprefix('torch.')}-L{LAYOUT_VERSION}{rules}"
 
 
 def _atomic_dir_write(target: Path, files: dict[str, Any]) -> None:
