@@ -8,7 +8,9 @@ written, and that the random Llama-shaped GGUF is one sluice loads.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _report, make_llama1b_gguf, serving  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -271,3 +275,14 @@ def test_sluice_loads_and_generates_from_the_random_gguf(tiny_gguf: Path, tmp_pa
         for out in core.step():
             tokens += out.new_token_ids
     assert len(tokens) == 4 and all(0 <= t < 49152 for t in tokens)
+
+
+def test_gemm_candidates_runs_and_times_every_candidate() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_candidates.py"), "--batches", "1", "--no-write"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "gemm_candidates" and len(result["results"]) == 4  # one per shape at M=1
+    for r in result["results"]:
+        for key in ("sluice int4", "sluice int8", "torch int4pack", "torch int8pack"):
+            assert r[key] > 0, (key, r)

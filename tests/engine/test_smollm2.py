@@ -88,3 +88,17 @@ def test_offline_example_runs() -> None:
     proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout, proc.stdout
+
+
+def test_quantization_example_runs_every_weight_path() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "quantization.py"
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("quantization=")]
+    assert [ln.split()[0] for ln in lines] == ["quantization=auto", "quantization=int8", "quantization=none"], proc.stdout
+    assert "weights=gguf:Q4_1" in lines[0] and "weights=rtn-int8" in lines[1] and "weights=none" in lines[2]
+    assert all("primary colors" in ln for ln in lines), proc.stdout  # the same greedy start on every path
