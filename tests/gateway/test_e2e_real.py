@@ -125,13 +125,23 @@ async def test_kill_a_replica_under_load_then_restart_it(replicas: list[Replica]
         assert {r["replica"] for r in warm} == {victim.url, survivor.url}, "round robin must use both replicas"
 
         sem = asyncio.Semaphore(6)
+        done = [0]
 
         async def limited(i: int) -> dict:
             async with sem:
-                return await _request(http, url, i)
+                try:
+                    return await _request(http, url, i)
+                finally:
+                    done[0] += 1
 
-        load = [asyncio.create_task(limited(i)) for i in range(4, 40)]
-        await asyncio.sleep(0.3)
+        # NOTE(kill-mid-load): kill once the load is flowing (a few answers in) and
+        # most of it is still to come, however fast the replicas answer: a fixed
+        # sleep let a fast engine finish every request before the kill
+        load = [asyncio.create_task(limited(i)) for i in range(4, 100)]
+        deadline = time.monotonic() + 20
+        while done[0] < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert done[0] < 60, f"the load must still be running at the kill ({done[0]} of 96 done)"
         victim.kill()
         t_kill = time.monotonic()
         results = await asyncio.gather(*load)
@@ -150,7 +160,7 @@ async def test_kill_a_replica_under_load_then_restart_it(replicas: list[Replica]
             "the kill must have hit requests not yet streaming, which the gateway retried elsewhere"
         )
         assert not victim_replica.is_routable(), "the killed replica must be taken out of rotation"
-        after = await asyncio.gather(*(_request(http, url, i) for i in range(40, 46)))
+        after = await asyncio.gather(*(_request(http, url, i) for i in range(100, 106)))
         assert all(r["complete"] and r["replica"] == survivor.url for r in after), (
             f"after the kill every request must succeed on the survivor: {after}"
         )
