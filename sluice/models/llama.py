@@ -22,7 +22,7 @@ GEMMs' epilogues; other dtypes and devices use the torch ops.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +33,7 @@ from sluice.kernels.linear import Linear, make_linear
 from sluice.kernels.qweight import QuantWeight
 from sluice.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from sluice.models.lora import LoRABatch
-
-__all__ = ["LlamaForCausalLM", "AttentionFn", "WeightValue", "Rope"]
+__all__ = ["LlamaForCausalLM", "AttentionFn", "LayerDeltas", "WeightValue", "Rope"]
 
 WeightValue = torch.Tensor | QuantWeight
 
@@ -50,6 +47,17 @@ class AttentionFn(Protocol):
         v: torch.Tensor,  # (T, num_kv_heads, head_dim)
     ) -> torch.Tensor:  # (T, num_heads, head_dim)
         ...
+
+
+class LayerDeltas(Protocol):
+    """What runs a decoder layer with per-row weight deltas (``sluice.models.lora.LoRABatch``).
+
+    Named here, not imported, so the model does not depend on the adapters that extend it.
+    """
+
+    def forward_layer(
+        self, layer: DecoderLayer, idx: int, x: torch.Tensor, rope: Rope, attention: AttentionFn
+    ) -> torch.Tensor: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,7 +136,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # (T, hidden); updated in place (residual adds)
         rope: Rope,
         attention: AttentionFn,
-        lora: LoRABatch | None = None,
+        lora: LayerDeltas | None = None,
     ) -> torch.Tensor:
         if lora:  # adapter rows in the batch: the unfused sequence plus their deltas (models/lora.py)
             return lora.forward_layer(self, idx, x, rope, attention)
@@ -238,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64
         attention: AttentionFn,
-        lora: LoRABatch | None = None,  # the step's adapter row groups, if any
+        lora: LayerDeltas | None = None,  # the step's adapter row groups, if any
     ) -> torch.Tensor:  # (T, hidden), final-normed
         x = self.embed_tokens(input_ids)
         rope = Rope(positions, self.rope_cos, self.rope_sin)

@@ -49,10 +49,10 @@ from sluice.errors import InvalidRequestError
 from sluice.kernels import ext
 from sluice.kernels import qlinear as ql
 from sluice.kernels.linear import KernelPlan, Linear, make_linear, pack_fp32
+from sluice.models.llama import AttentionFn, DecoderLayer, LlamaForCausalLM, Rope, apply_rope
 
 if TYPE_CHECKING:
     from sluice.models.config import ModelConfig
-    from sluice.models.llama import AttentionFn, DecoderLayer, LlamaForCausalLM, Rope
 
 __all__ = [
     "PeftConfig",
@@ -441,8 +441,6 @@ class LoRABatch:
             layer.down.op.forward(act, x)  # x += act @ Wdown^T
             self._add(idx, "down", act, x)
             return x
-        from sluice.models.llama import apply_rope
-
         ops = layer.ops
         cos, sin = rope.gathered()
         hs = ops.rms_norm(x, layer.input_norm, layer.eps)
