@@ -1,6 +1,8 @@
 """sluice.server: ``sluice serve``, the OpenAI-compatible API process.
 
-    app.py          build_app(settings, ...): routes, middleware, lifespan, state
+    app.py          build_app(settings, ...): routes, middleware, lifespan
+    state.py        ServerState, shared by app.py and the admin routes (admin.py: /admin/kv and the admin-key check,
+                    profiling.py: /admin/profile, lora_routes.py: adapter load/unload)
     serving.py      the life of a request: auth, priority, tokenize, admit, submit, finish
     generation.py   engine outputs -> text deltas (detokenize, stop strings, aborts)
     render.py       OpenAI response / SSE chunk shapes

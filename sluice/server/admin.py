@@ -25,12 +25,13 @@ from sluice.errors import AuthenticationError, SluiceError
 from sluice.http_errors import error_response
 
 if TYPE_CHECKING:
-    from sluice.server.app import ServerState
+    from sluice.server.state import ServerState
 
 __all__ = ["add_admin_routes", "kv_report", "authenticate_admin"]
 
 
 def authenticate_admin(keys: KeyStore, headers: Mapping[str, str]) -> KeyInfo | None:
+    """Open when no keys are configured (like the rest of the server); else an admin key."""
     if not keys.enabled:
         return None
     if not keys.has_admin:

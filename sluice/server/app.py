@@ -23,7 +23,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -55,6 +55,7 @@ from sluice.server.profiling import add_profile_routes
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.serving import OpenAIServing, RequestContext
 from sluice.server.sse import ClientGone, SSEResponse, wait_or_disconnect
+from sluice.server.state import ServerState
 from sluice.server.telemetry import CONTENT_TYPE_LATEST, ServerMetrics, record_lora_loads
 
 __all__ = ["build_app", "ServerState"]
@@ -62,41 +63,6 @@ __all__ = ["build_app", "ServerState"]
 log = logging.getLogger("sluice.server")
 _json = msgspec.json.Encoder()
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-
-
-@dataclass
-class ServerState:
-    settings: ServerSettings
-    client: EngineClient
-    metrics: ServerMetrics
-    tracing: Tracing
-    keys: KeyStore
-    rate_limiter: RateLimiter
-    admission: AdmissionController
-    codec_factory: Callable[[str], TextCodec]
-    on_ready: Callable[[ModelInfo], None] | None = None
-    on_engine_dead: Callable[[], None] | None = None
-    serving: OpenAIServing | None = None
-    model_info: ModelInfo | None = None
-    is_draining: bool = False
-    started_at: int = field(default_factory=lambda: int(time.time()))
-    startup_error: str | None = None
-
-    @property
-    def is_ready(self) -> bool:
-        return self.serving is not None and not self.client.is_dead
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self.serving.inflight) if self.serving else 0
-
-    async def drain(self, timeout: float) -> bool:
-        """Stop admitting; wait for in-flight requests up to ``timeout`` s. True if all finished."""
-        self.is_draining = True
-        deadline = time.monotonic() + timeout
-        while self.num_inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return self.num_inflight == 0
 
 
 def _json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -29,10 +29,10 @@ from starlette.responses import Response
 
 from sluice.errors import InvalidRequestError, ServiceUnavailableError
 from sluice.http_errors import error_response, to_sluice_error
-from sluice.server.profiling import authenticate_admin
+from sluice.server.admin import authenticate_admin
 
 if TYPE_CHECKING:
-    from sluice.server.app import ServerState
+    from sluice.server.state import ServerState
 
 __all__ = ["add_lora_routes", "models_entries"]
 

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +37,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import FileResponse, Response
 
-from sluice.auth import KeyStore
 from sluice.errors import (
-    AuthenticationError,
     ConflictError,
     InvalidRequestError,
     NotFoundError,
@@ -55,9 +53,10 @@ from sluice.obs.profiling import (
     Target,
     allow_ptrace_by_descendants,
 )
+from sluice.server.admin import authenticate_admin
 
 if TYPE_CHECKING:
-    from sluice.server.app import ServerState
+    from sluice.server.state import ServerState
 
 __all__ = ["ProfileRequest", "Profiler", "add_profile_routes", "default_profile_dir"]
 
@@ -181,16 +180,6 @@ def _overhead(req: ProfileRequest, s: SamplingResult | None) -> dict[str, Any]:
         "note": "py-spy runs in its own process; non-blocking mode never stops the targets, native mode "
                 "pauses each of them for every sample",
     }  # fmt: skip
-
-
-def authenticate_admin(keys: KeyStore, headers: Mapping[str, str]) -> None:
-    """Open when no keys are configured (like the rest of the server); else an admin key."""
-    if not keys.enabled:
-        return
-    if not keys.has_admin:
-        raise AuthenticationError("admin endpoints are disabled: API keys are configured but no admin key")
-    if not keys.authenticate(headers.get("authorization")).is_admin:
-        raise AuthenticationError("this endpoint needs an admin key")
 
 
 def add_profile_routes(app: FastAPI, state: ServerState) -> Profiler:
