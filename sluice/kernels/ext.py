@@ -61,7 +61,9 @@ def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
     from torch.utils.cpp_extension import load as cpp_load
 
     h = hashlib.sha256()
-    for s in sources:
+    # the headers and .inc files they include too (qgemm.h, fp32_tile.h, ...): a change there rebuilds
+    csrc = sources[0].parent
+    for s in [*sources, *sorted(p for p in csrc.iterdir() if p.suffix in (".h", ".inc"))]:
         h.update(s.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())

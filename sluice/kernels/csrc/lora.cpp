@@ -28,60 +28,12 @@
 #include <functional>
 #include <vector>
 
+#include "fp32_tile.h"
+
 namespace {
 
-constexpr int64_t kTile = 16;
-#define LORA_AVX2 __attribute__((target("avx2,fma")))
-#define LORA_AVX512 __attribute__((target("avx512f,avx2,fma")))
-
-// res[r][l] = sum_k x[r][k] * w[k][l] for R rows (R <= 4) of one 16-wide tile
-template <int R>
-void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t K, float* res) {
-  for (int r = 0; r < R; ++r) {
-    const float* xr = x + r * ldx;
-    for (int l = 0; l < kTile; ++l) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], w[k * kTile + l], acc);
-      res[r * kTile + l] = acc;
-    }
-  }
-}
-
-template <int R>
-LORA_AVX2 void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K, float* res) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * kTile), w1 = _mm256_loadu_ps(w + k * kTile + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[r * ldx + k]);
-      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(res + r * kTile, a0[r]);
-    _mm256_storeu_ps(res + r * kTile + 8, a1[r]);
-  }
-}
-
-template <int R>
-LORA_AVX512 void tile_avx512(const float* x, int64_t ldx, const float* w, int64_t K, float* res) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 wv = _mm512_loadu_ps(w + k * kTile);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, a[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, a[r]);
-}
-
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
-const TileFn kTiles[3][4] = {
-    {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
-    {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>},
-    {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>},
-};
+constexpr int64_t kTile = sluice::fp32_tile::kWidth;
+using sluice::fp32_tile::kTiles;  // the float kernel's own tiles (fp32_tile.h): the same bits as the Linear path
 
 int best_isa() {
   __builtin_cpu_init();

@@ -4,6 +4,7 @@
 // (no -march=native anywhere), chosen at run time by the caller from
 // cpu_features().  All paths compute bit-identical results.
 #include "qgemm.h"
+#include "fp32_tile.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -458,56 +459,8 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
 
 namespace sluice {
 
-template <int R>
-static void dense_tile_scalar(const float* x, int64_t ldx, int64_t m0, const float* wt, int64_t K, float* res) {
-  for (int r = 0; r < R; ++r) {
-    const float* xr = x + (m0 + r) * ldx;
-    for (int l = 0; l < kTile; ++l) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], wt[k * kTile + l], acc);
-      res[r * kTile + l] = acc;
-    }
-  }
-}
-
-template <int R>
-TGT_AVX2 static void dense_tile_avx2(const float* x, int64_t ldx, int64_t m0, const float* wt, int64_t K, float* res) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(wt + k * kTile), w1 = _mm256_loadu_ps(wt + k * kTile + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[(m0 + r) * ldx + k]);
-      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(res + r * kTile, a0[r]);
-    _mm256_storeu_ps(res + r * kTile + 8, a1[r]);
-  }
-}
-
-template <int R>
-TGT_AVX512 static void dense_tile_avx512(const float* x, int64_t ldx, int64_t m0, const float* wt, int64_t K, float* res) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 w = _mm512_loadu_ps(wt + k * kTile);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[(m0 + r) * ldx + k]), w, a[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, a[r]);
-}
-
-using DenseFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*);
-
 void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, int64_t N, int64_t K, float* out,
                     int64_t ldo, int64_t col0, const float* bias, const float* resid, int64_t ldr, int path) {
-  static const DenseFn table[3][4] = {
-      {dense_tile_scalar<1>, dense_tile_scalar<2>, dense_tile_scalar<3>, dense_tile_scalar<4>},
-      {dense_tile_avx2<1>, dense_tile_avx2<2>, dense_tile_avx2<3>, dense_tile_avx2<4>},
-      {dense_tile_avx512<1>, dense_tile_avx512<2>, dense_tile_avx512<3>, dense_tile_avx512<4>},
-  };
   // every int path implies its float ISA: scalar -> scalar, avx2/avxvnni -> avx2, avx512vnni -> avx512
   const int isa = path == kScalar ? 0 : (path == kAvx512Vnni ? 2 : 1);
   const int64_t NT = (N + kTile - 1) / kTile;
@@ -518,7 +471,7 @@ void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, 
       const float* wt = wpack + tile * K * kTile;
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int r = (int)std::min<int64_t>(4, M - m0);
-        table[isa][r - 1](x, ldx, m0, wt, K, res);
+        fp32_tile::kTiles[isa][r - 1](x + m0 * ldx, ldx, wt, K, res);
         store_tile(res, r, m0, tile, N, out, ldo, col0, bias, resid, ldr);
       }
     }
