@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,11 +45,9 @@ from benchmarks.serving import (  # noqa: E402
     Result,
     Server,
     _pct,
-    _wait_line,
     make_prompts,
     one_request,
-    served_model_id,
-    sluice_details,
+    start_sluice,
 )
 
 TARGETS = {"qv": ("q_proj", "v_proj"), "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -71,21 +68,9 @@ def make_adapters(model: str, root: Path, rank: int, targets: str, std: float) -
 
 def start_server(args: argparse.Namespace, adapters: dict[str, Path]) -> Server:
     modules = [f"{n}={p}" for n, p in adapters.items() if n != "fresh"]
-    cmd = [sys.executable, "-m", "sluice.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
-           "--max-num-seqs", str(max(args.levels)), "--log-level", "warning", "--max-queued-requests", "4096",
-           "--slo", "off",  # a throughput comparison: every request served (NOTE(no-shedding) in serving.py)
-           "--max-loras", str(NUM_ADAPTERS), "--max-cpu-loras", str(NUM_ADAPTERS),
-           "--max-lora-rank", str(max(args.rank, 16)), "--lora-modules", *modules]  # fmt: skip
-    if args.kv_cache_memory:
-        cmd += ["--kv-cache-memory", args.kv_cache_memory]
-    if args.num_threads:
-        cmd += ["--num-threads", str(args.num_threads)]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    m, seen = _wait_line(proc, r"ready in .* at (http://\S+)", 900)
-    url = m.group(1)
-    details = sluice_details(seen, []) + (f", {args.num_threads} threads" if args.num_threads else "")
-    return Server("sluice", proc, url, served_model_id(url), time.monotonic() - t0, details)
+    return start_sluice(args, more_flags=[
+        "--max-loras", str(NUM_ADAPTERS), "--max-cpu-loras", str(NUM_ADAPTERS),
+        "--max-lora-rank", str(max(args.rank, 16)), "--lora-modules", *modules])  # fmt: skip
 
 
 async def run(server: Server, concurrency: int, prompts: list[list[int]], models: list[str]) -> dict[str, Any]:

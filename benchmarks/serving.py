@@ -51,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -293,11 +294,12 @@ def sluice_details(ready_lines: list[str], flags: list[str]) -> str:
     return ", ".join(parts)
 
 
-def start_sluice(args: argparse.Namespace, variant: str = "sluice") -> Server:
+def start_sluice(args: argparse.Namespace, variant: str = "sluice", more_flags: Sequence[str] = ()) -> Server:
+    """``sluice serve`` for a benchmark (``more_flags``: e.g. benchmarks/lora.py's adapters)."""
     label, extra = SLUICE_VARIANTS[variant]
     cmd = [sys.executable, "-m", "sluice.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
            "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
-           "--max-queued-requests", "4096", *extra]
+           "--max-queued-requests", "4096", *extra, *more_flags]
     # NOTE(no-shedding): a capacity comparison: every request is served, as the
     # peers do (they never shed); admission by predicted wait (--slo, on by
     # default) would turn part of a closed-loop c=32 burst away with 429s.
