@@ -93,7 +93,7 @@ class EngineCore:
         self._last_budget = config.max_num_batched_tokens
         self._last_seq_limit = config.max_num_seqs
         self.step_model = StepTimeModel()
-        self._last_step: tuple[int, float, float] | None = None  # (tokens, start, end) of the previous busy step
+        self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -180,7 +180,7 @@ class EngineCore:
             self._last_seq_limit = sched.seq_limit
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
-            self._observe_step(sched.num_batched_tokens, t0, t1)
+            self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
         elif self.kv_tiers is not None and self.scheduler.loading:
             self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
@@ -206,10 +206,11 @@ class EngineCore:
         model = self.step_model
         if target is None or model.per_token <= 0.0:
             return None
-        tokens = (STEP_SHARE * target - model.base) / model.per_token
+        fixed = model.base + model.per_seq * len(self.scheduler.running)
+        tokens = (STEP_SHARE * target - fixed) / model.per_token
         return max(MIN_STEP_TOKENS, int(tokens))
 
-    def _observe_step(self, num_tokens: int, start: float, end: float) -> None:
+    def _observe_step(self, num_tokens: int, num_seqs: int, start: float, end: float) -> None:
         """Feed the step-time model one step late, so back-to-back steps include the loop's own overhead.
 
         NOTE(cycle-time): what a waiting request sees is the time from one step's
@@ -218,9 +219,9 @@ class EngineCore:
         """
         prev = self._last_step
         if prev is not None:
-            n, s, e = prev
-            self.step_model.observe(n, start - s if start - e < 0.01 else e - s)
-        self._last_step = (num_tokens, start, end)
+            n, q, s, e = prev
+            self.step_model.observe(n, start - s if start - e < 0.01 else e - s, q)
+        self._last_step = (num_tokens, num_seqs, start, end)
 
     def _sampling_rows(self, sched: SchedulerOutput) -> list[SamplingRow]:
         rows = []
@@ -285,9 +286,12 @@ class EngineCore:
             num_prefill_tokens_by_priority=prefill_tokens,
             step_time_base=self.step_model.base,
             step_time_per_token=self.step_model.per_token,
+            step_time_per_seq=self.step_model.per_seq,
             max_num_batched_tokens=self._last_budget,
             max_num_seqs=self._last_seq_limit,
             seq_limit_by_priority=[sch.seq_limit_for(p, self._last_seq_limit) for p in range(3)],
+            running_slots=[[r.priority, r.num_output_tokens, max(1, r.sampling.max_tokens - r.num_output_tokens)]
+                           for r in (*sch.running, *sch.loading)],  # fmt: skip
             lora=self.lora.make_stats(
                 {r.lora_id for r in sch.running if r.lora_id},
                 sum(1 for r in sch.waiting if r.lora_id and not self.lora.is_ready(r)),

@@ -281,6 +281,9 @@ class Scheduler:
         admissions; a P0 then finds a free slot and preempts only when it
         bursts past its recent peak.  Only the top class is reserved for: P1 and
         P2 share the rest by WFQ.  With no P0 traffic of late nothing is reserved.
+        The limit of a lower class counts the holders of classes other than P0
+        (P0's own running requests sit in the reserved slots), under the total
+        ``seq_limit``.
         """
         peak = self.peak_running[Priority.P0]
         if priority == Priority.P0 or peak <= 0.0:
@@ -418,7 +421,10 @@ class Scheduler:
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
         lower = [r for r in self.running if r.priority > req.priority]
         limit = self.seq_limit_for(req.priority, step.seq_limit)
-        if len(self.running) + len(self.loading) - len(lower) >= limit:
+        holders = len(self.running) + len(self.loading)
+        # P0's own holders sit in the slots kept for it: a lower class's limit counts the other classes only
+        reserved = 0 if req.priority == Priority.P0 else sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
+        if holders - len(lower) - reserved >= limit or holders - len(lower) >= step.seq_limit:
             return False  # every slot it may use is held by this class or a higher one
         if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
             return False  # even preempting every lower class would not make it fit
@@ -427,7 +433,7 @@ class Scheduler:
         # newest first, by recompute: on CPU, recomputing a short prefix costs
         # less than copying its blocks out and back (no swap space), and the
         # victim's full blocks stay in the prefix cache until evicted.
-        if len(self.running) + len(self.loading) >= limit:  # one slot, even when the limit fell below the running count
+        if holders - reserved >= limit or holders >= step.seq_limit:  # one slot, even when the limit fell below the running count
             victim = self._lower_victim(req.priority)
             if victim is None:
                 return False

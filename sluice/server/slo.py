@@ -15,16 +15,18 @@ rejected for a target no idle engine could meet.
 
 The prediction (``predict_ttft``) is a model of the scheduler
 (``sluice.engine.scheduler``) fed with the engine's measured step time
-``a + b * tokens`` and what is queued ahead of the request by class:
+``a + b * tokens + c * seqs`` and what is queued ahead of the request by class:
 
     prefill-bound   the prefill tokens served before the request's last prompt
                     token: its own class's backlog (FIFO) and the other classes'
                     shares of the budget while it waits (wfq: GPS shares 5:3:1,
                     priority: every higher class, fcfs: everything), at
                     ``max_num_batched_tokens - decodes`` tokens a step
-    slot-bound      with every ``max_num_seqs`` slot held by its class or higher
-                    ones, the steps until enough of them finish (a running request
-                    holds its slot for its output length, measured)
+    slot-bound      with every slot it may use held by its class or higher ones
+                    (P0's reserved slots aside), the steps until enough of them
+                    finish: each holder's expected remaining output, then the
+                    requests queued ahead take the slots in turn for the measured
+                    mean output length (NOTE(slot-turnover))
 
 plus half a step (it arrives while one is running).  Lower classes hold
 neither slots, blocks nor decode tokens against it (it takes them).  Future arrivals are not
@@ -33,6 +35,7 @@ foreseen; the admission re-predicts at every arrival instead.
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from collections.abc import Sequence
@@ -99,6 +102,7 @@ class EngineLoad:
 
     step_time_base: float = 0.0  # seconds, a
     step_time_per_token: float = 0.0  # seconds per batched token, b
+    step_time_per_seq: float = 0.0  # seconds per scheduled sequence, c
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     seq_limit_by_priority: list[int] | None = None  # slots each class may fill (None: max_num_seqs for all)
@@ -108,6 +112,8 @@ class EngineLoad:
     num_waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # requests that need a slot
     num_prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
     mean_output_tokens: float = 16.0  # decode steps a request holds its slot (measured)
+    # per slot holder: (class, output tokens so far, output tokens it may still make); None: unknown
+    running_slots: list[tuple[int, int, int]] | None = None
     policy: str = "wfq"
 
     @classmethod
@@ -116,6 +122,7 @@ class EngineLoad:
         return cls(
             step_time_base=s.step_time_base,
             step_time_per_token=s.step_time_per_token,
+            step_time_per_seq=s.step_time_per_seq,
             max_num_batched_tokens=s.max_num_batched_tokens or max_num_batched_tokens,
             max_num_seqs=s.max_num_seqs or max_num_seqs,
             num_decoding=s.num_decoding,
@@ -126,14 +133,16 @@ class EngineLoad:
             num_prefill_tokens_by_priority=list(s.num_prefill_tokens_by_priority),
             mean_output_tokens=mean_output_tokens,
             policy=policy,
+            running_slots=(None if (s.num_running or sum(s.num_running_by_priority)) and not s.running_slots
+                           else [(p, g, left) for p, g, left in s.running_slots]),  # None: an engine that does not list them
         )
 
     @property
     def is_measured(self) -> bool:
         return self.step_time_base > 0.0 or self.step_time_per_token > 0.0
 
-    def step_time(self, num_tokens: float) -> float:
-        return self.step_time_base + self.step_time_per_token * num_tokens
+    def step_time(self, num_tokens: float, num_seqs: float = 0.0) -> float:
+        return self.step_time_base + self.step_time_per_token * num_tokens + self.step_time_per_seq * num_seqs
 
     def add(self, priority: int, num_prompt_tokens: int, sign: int = 1) -> None:
         """Count (or, ``sign=-1``, uncount) a queued request the stats do not show yet (or that is shed)."""
@@ -146,7 +155,54 @@ def unloaded_ttft(load: EngineLoad, num_prompt_tokens: int) -> float:
     """An idle engine's TTFT for this prompt: its prefill chunks, one step each."""
     budget = max(1, load.max_num_batched_tokens)
     steps = max(1, math.ceil(num_prompt_tokens / budget))
-    return steps * load.step_time_base + load.step_time_per_token * num_prompt_tokens
+    return steps * load.step_time(0, 1) + load.step_time_per_token * num_prompt_tokens
+
+
+def _seq_limit(load: EngineLoad, c: int) -> int:
+    """Running requests class ``c`` may be admitted up to.
+
+    The engine keeps P0's recent peak of running requests plus one free of
+    lower classes (NOTE(trunk-reservation) in the scheduler); P0 requests
+    queued since the stats raise that peak before the engine reports it.
+    """
+    limit = load.max_num_seqs if load.seq_limit_by_priority is None else load.seq_limit_by_priority[c]
+    p0 = load.num_running_by_priority[0] + load.num_waiting_by_priority[0]
+    if c > 0 and p0 > 0:
+        limit = min(limit, max(1, load.max_num_seqs - p0 - 1))
+    return limit
+
+
+def _slot_wait_steps(load: EngineLoad, c: int, limit: int, max_ahead: int = 4096) -> float:
+    """Steps until a new class-``c`` request gets a slot: the slots' free times, simulated.
+
+    NOTE(slot-turnover): a holder of class ``c`` or higher (P0 aside for c > 0) frees its slot after
+    its expected remaining output (the measured mean output length less what it
+    made, at least one token, at most what ``max_tokens`` leaves it; one past the
+    mean is expected to run as long again); each request queued ahead then takes
+    the earliest free slot for a prefill step and the mean output length.  A
+    burst that started together frees its slots together, which a mean turnover
+    rate (one slot per ``mean / max_num_seqs`` steps) would underestimate.
+    """
+    assert load.running_slots is not None
+    mean = max(1.0, load.mean_output_tokens)
+    times = []
+    first = 0 if c == 0 else 1  # P0's holders sit in its reserved slots
+    for p, generated, left in load.running_slots:
+        if first <= p <= c:
+            expected = mean - generated if generated < mean else mean
+            times.append(float(max(1.0, min(float(left), expected))))
+    times.extend(0.0 for _ in range(limit - len(times)))
+    heapq.heapify(times)
+    for _ in range(len(times) - limit):  # over the limit (it fell): those slots do not come back
+        heapq.heappop(times)
+    ahead = sum(load.num_waiting_by_priority[first : c + 1])
+    hold = 1.0 + mean
+    for _ in range(min(ahead, max_ahead)):
+        heapq.heappush(times, heapq.heappop(times) + hold)
+    start = heapq.heappop(times)
+    if ahead > max_ahead:  # past the cap, the slots turn over at the mean rate
+        start += (ahead - max_ahead) * hold / max(1, limit)
+    return start
 
 
 def _tokens_served_first(load: EngineLoad, priority: int, own: float) -> float:
@@ -178,18 +234,33 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
     per_step = max(1.0, load.max_num_batched_tokens - decodes)
     served = _tokens_served_first(load, c, own)
     steps = max(1, math.ceil(served / per_step))
-    prefill_bound = steps * load.step_time_base + load.step_time_per_token * (served + steps * decodes)
+    # each prefill step carries the decodes and at least one prefilling sequence
+    prefill_bound = steps * load.step_time(decodes, decodes + 1) + load.step_time_per_token * served
     # slots: running and queued requests of this class and higher ones come first
-    holders = sum(load.num_running_by_priority[: c + 1]) + sum(load.num_waiting_by_priority[: c + 1])
-    limit = load.max_num_seqs if load.seq_limit_by_priority is None else load.seq_limit_by_priority[c]
+    # NOTE(trunk-reservation) in the scheduler: a lower class's limit counts the holders of classes 1..c only
+    first = 0 if c == 0 else 1
+    holders = sum(load.num_running_by_priority[first : c + 1]) + sum(load.num_waiting_by_priority[first : c + 1])
+    limit = _seq_limit(load, c)
     short = holders + 1 - limit
     slot_bound = 0.0
     if short > 0:
-        # NOTE(slot-turnover): with every slot held, one frees every
-        # mean_output_tokens / max_num_seqs steps on average
-        full_step = load.step_time(min(load.max_num_batched_tokens, load.max_num_seqs + per_step / 2))
-        decoding = max(1, min(load.max_num_seqs, load.max_num_batched_tokens))  # slots that decode each step
-        wait_steps = short * max(1.0, load.mean_output_tokens) / decoding
-        slot_bound = wait_steps * full_step + unloaded_ttft(load, num_prompt_tokens + decodes)
-    current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)))
+        if load.running_slots is not None:
+            wait_steps = _slot_wait_steps(load, c, limit)
+        else:  # NOTE(slot-turnover), without the holders: one slot frees every mean_output_tokens / max_num_seqs steps
+            decoding = max(1, min(load.max_num_seqs, load.max_num_batched_tokens))  # slots that decode each step
+            wait_steps = short * max(1.0, load.mean_output_tokens) / decoding
+        if wait_steps > 0.0:
+            # the steps while it waits: every slot of its limit busy, P0's holders for as long as they hold, the
+            # backlog's prefill spread over them (arrivals after it are not foreseen)
+            p0 = 0.0
+            if c > 0:
+                hold = 1.0 + max(1.0, load.mean_output_tokens)
+                p0 = (load.num_running_by_priority[0] + load.num_waiting_by_priority[0]) * min(1.0, hold / wait_steps)
+            rows = min(float(load.max_num_seqs), limit + p0)
+            prefill = min(per_step, sum(load.num_prefill_tokens_by_priority) / wait_steps)
+            step = load.step_time(min(float(load.max_num_batched_tokens), rows + prefill), rows)
+            slot_bound = wait_steps * step + unloaded_ttft(load, num_prompt_tokens + decodes) + load.step_time_per_seq * decodes
+    running = sum(load.num_running_by_priority)
+    current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)),
+                             running)  # fmt: skip
     return max(prefill_bound, slot_bound) + 0.5 * current

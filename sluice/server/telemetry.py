@@ -37,6 +37,7 @@ SLO admission (issue 11; ``sluice.server.admission``)::
     sluice_slo_attained_total{priority}                counter: ... of them served within the class's target
     sluice_engine_step_time_base_seconds               gauge: fitted fixed cost of an engine step
     sluice_engine_step_time_per_token_seconds          gauge: fitted cost per batched token
+    sluice_engine_step_time_per_seq_seconds            gauge: fitted cost per scheduled sequence
     sluice_engine_prefill_tokens_pending{priority}     gauge: tokens still to prefill in the engine
 
 LoRA adapters (issue 13; ``sluice.server.lora_routes``)::
@@ -184,6 +185,7 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily("sluice_engine_steps", "Engine steps.", value=s.num_steps)
         yield GaugeMetricFamily("sluice_engine_step_time_base_seconds", "Fitted fixed cost of an engine step.", value=s.step_time_base)
         yield GaugeMetricFamily("sluice_engine_step_time_per_token_seconds", "Fitted cost of one batched token in a step.", value=s.step_time_per_token)
+        yield GaugeMetricFamily("sluice_engine_step_time_per_seq_seconds", "Fitted cost of one scheduled sequence in a step.", value=s.step_time_per_seq)
         g = GaugeMetricFamily("sluice_engine_prefill_tokens_pending", "Tokens still to prefill in the engine, by class.", labels=["priority"])
         for p, v in zip(PRIORITIES, s.num_prefill_tokens_by_priority):
             g.add_metric([p], v)

@@ -229,6 +229,14 @@ def test_step_time_model_recovers_base_and_per_token_cost() -> None:
     for n in (8, 64, 200, 512, 30, 128) * 5:
         m.observe(n, 0.02 + 0.001 * n)
     assert m.base == pytest.approx(0.02, rel=1e-6) and m.per_token == pytest.approx(0.001, rel=1e-6)
+    both = StepTimeModel()
+    for n, q in ((8, 8), (64, 2), (200, 16), (16, 16), (300, 4), (40, 1)) * 5:
+        both.observe(n, 0.005 + 0.0002 * n + 0.003 * q, q)
+    assert (both.base, both.per_token, both.per_seq) == pytest.approx((0.005, 0.0002, 0.003), rel=1e-6)
+    together = StepTimeModel()  # decode-only steps: tokens and sequences move together, one line carries both
+    for q in (4, 16, 8, 32) * 5:
+        together.observe(q, 0.005 + 0.0032 * q, q)
+    assert together.per_seq == 0.0 and together.predict(20, 20) == pytest.approx(0.005 + 0.0032 * 20)
     flat = StepTimeModel()
     for _ in range(10):
         flat.observe(100, 0.12)
@@ -280,3 +288,15 @@ def test_lower_classes_leave_p0s_recent_peak_of_slots_free() -> None:
     clock.now += 60.0
     sched.schedule()
     assert sched.seq_limit_for(Priority.P2, 8) >= 8 - 1 - 1, "the reservation fades with P0's traffic"
+
+
+def test_running_p0s_sit_in_their_reserved_slots_not_in_the_lower_classes() -> None:
+    sched = create_scheduler(max_num_seqs=8, max_num_batched_tokens=256, clock=FakeClock(100.0))
+    for i in range(3):
+        sched.add_request(make_request(f"p0-{i}", Priority.P0, max_tokens=40, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    for i in range(8):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, arrival=20.0 + i))
+    apply(sched, sched.schedule())
+    p2 = [r for r in sched.running if r.priority == Priority.P2]
+    assert len(sched.running) == 7 and len(p2) == 8 - 3 - 1, "3 P0s run in their reserved slots; P2 gets the other 4"

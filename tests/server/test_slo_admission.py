@@ -55,11 +55,38 @@ def test_prediction_from_known_rates_and_queue_by_class() -> None:
 def test_slot_bound_prediction_when_every_slot_is_held_by_the_class_or_higher() -> None:
     load = EngineLoad.from_stats(stats(num_running_by_priority=[0, 4, 0], num_decoding=4, max_num_seqs=4),
                                  policy="wfq", mean_output_tokens=20, max_num_batched_tokens=512, max_num_seqs=4)  # fmt: skip
-    full_step = 0.01 + 0.001 * 4 + 0.001 * (512 - 4) / 2  # 4 decodes + half a budget of prefill
-    # one P1 must finish first: 20 output tokens over 4 slots = 5 steps, then its own prefill step
+    full_step = 0.01 + 0.001 * 4  # 4 decodes, no prefill backlog to spread over the wait
+    # holders not listed: one P1 must finish first: 20 output tokens over 4 slots = 5 steps, then its own prefill step
     expected = 5 * full_step + (0.01 + 0.001 * 104) + 0.5 * (0.01 + 0.004)
     assert predict_ttft(load, Priority.P1, 100) == pytest.approx(expected)
     assert predict_ttft(load, Priority.P0, 100) < 0.2, "P0 takes a P1 slot: no slot wait"
+
+
+def test_slot_wait_follows_the_holders_remaining_output() -> None:
+    # four P1s that started together, 12 of 20 tokens left each (mean output 20, 8 made): they free together
+    held = stats(num_running_by_priority=[0, 4, 0], num_running=4, num_decoding=4, max_num_seqs=4,
+                 running_slots=[[1, 8, 12]] * 4, step_time_per_seq=0.002)  # fmt: skip
+    load = EngineLoad.from_stats(held, policy="wfq", mean_output_tokens=20, max_num_batched_tokens=512, max_num_seqs=4)
+    step = 0.01 + 0.001 * 4 + 0.002 * 4  # 4 decodes, 4 sequences
+    own = 0.01 + 0.002 + 0.001 * 104 + 0.002 * 4  # its prefill step (one sequence) next to the 4 decodes
+    expected = 12 * step + own + 0.5 * step
+    assert predict_ttft(load, Priority.P1, 100) == pytest.approx(expected), "a burst frees its slots after 12 steps, not 3"
+    # one of them nearly done: the wait is its 2 steps
+    load.running_slots = [(1, 18, 2), (1, 8, 12), (1, 8, 12), (1, 8, 12)]
+    assert predict_ttft(load, Priority.P1, 100) == pytest.approx(2 * step + own + 0.5 * step)
+    # a second request queued ahead takes that slot: the next frees at step 12
+    load.add(Priority.P1, 100)
+    assert predict_ttft(load, Priority.P1, 100) > 12 * step
+
+
+def test_p0_holders_do_not_count_against_a_lower_class_limit() -> None:
+    # 8 slots, P0's peak of 3 (+1) reserved: P1 may hold 4; 3 P0s and 3 P1s run, so a P1 finds a slot
+    s = stats(num_running_by_priority=[3, 3, 0], num_running=6, num_decoding=6, max_num_seqs=8,
+              seq_limit_by_priority=[8, 4, 4], running_slots=[[0, 1, 15]] * 3 + [[1, 1, 15]] * 3)  # fmt: skip
+    load = EngineLoad.from_stats(s, policy="wfq", mean_output_tokens=16, max_num_batched_tokens=512, max_num_seqs=8)
+    assert predict_ttft(load, Priority.P1, 100) < 0.2, "P1 holds 3 of its 4 slots: no slot wait"
+    load.add(Priority.P1, 100)
+    assert predict_ttft(load, Priority.P1, 100) > 15 * 0.01, "its 4 slots held: it waits for a P1 to finish"
 
 
 def test_request_over_its_target_is_rejected_at_once_with_retry_after() -> None:

@@ -50,11 +50,13 @@ def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir:
                 admission.observe_output_tokens(o.num_generated_tokens)
         return firsts
 
-    # warm-up: fit the step-time model on steps of many sizes
-    for i in range(12):
-        engine.add_request(EngineRequest(request_id=f"w{i}", prompt_token_ids=[7 + i] * rng.randint(4, 60), sampling=sp))
-    while engine.has_unfinished_requests():
-        step()
+    # warm-up: fit the step-time model on steps of many sizes, 1 to 4 sequences (NOTE(per-seq-cost))
+    for k in (1, 2, 3, 4, 4, 3, 2, 1):
+        for i in range(k):
+            engine.add_request(EngineRequest(request_id=f"w{k}-{i}-{rng.random()}", sampling=sp,
+                                             prompt_token_ids=[7 + i] * rng.randint(4, 60)))  # fmt: skip
+        while engine.has_unfinished_requests():
+            step()
     # NOTE(warm-mix): then two unmeasured waves shaped like the measured ones, so
     # the step-time fit (an exponentially weighted line) has seen steps of the
     # sizes it will predict, not only the tail of the warm-up's last few decodes
