@@ -286,3 +286,23 @@ def test_gemm_candidates_runs_and_times_every_candidate() -> None:
     for r in result["results"]:
         for key in ("sluice int4", "sluice int8", "torch int4pack", "torch int8pack"):
             assert r[key] > 0, (key, r)
+
+
+# ---------------------------------------------------------------- overload_engine
+
+
+def test_overload_engine_run_reports_every_class_and_counts_express_steps(tmp_path: Path) -> None:
+    from benchmarks import overload_engine
+    from tests.model_factory import make_tiny_model_dir
+
+    model = str(make_tiny_model_dir(tmp_path / "tiny-llama"))
+    targets = (0.05, 2.0, 5.0)
+    on = overload_engine.run_load(True, 80.0, 1.0, 8, targets, seed=3, model=model)
+    off = overload_engine.run_load(False, 80.0, 1.0, 8, targets, seed=3, model=model)
+    assert on["sent"] == off["sent"] > 20, "the same seeded arrivals for both runs"
+    for r in (on, off):
+        assert set(r["classes"]) == {"p0", "p1", "p2"}
+        assert sum(c["sent"] for c in r["classes"].values()) == r["sent"]
+        assert all(c["first_tokens"] == c["sent"] for c in r["classes"].values()), "the queue drains: every request starts"
+        assert 0.0 <= r["classes"]["p0"]["attainment"] <= 1.0
+    assert off["express_steps"] == 0, "--no-express-steps: never an express step"

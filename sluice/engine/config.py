@@ -124,6 +124,9 @@ class EngineConfig:
     scheduling_policy: str = field(default="wfq", metadata=setting(
         "Order of the waiting queue: fcfs, strict priority, or weighted fair queuing by class.",
         choices=[p.value for p in SchedulingPolicy]))
+    express_steps: bool = field(default=True, metadata=setting(
+        "Run a waiting P0 request's prefill in a step of its own, without the running decodes, when that "
+        "step is much shorter (P0's time to first token: the rest of the running step plus a short one)."))
     attention_backend: str | None = field(default=None, metadata=setting(
         "Attention kernel (default: the best available, see `sluice doctor`).", choices=ATTENTION_BACKENDS))
     enable_prefix_caching: bool = field(default=True, metadata=setting(

@@ -43,6 +43,9 @@ log = logging.getLogger("sluice.engine")
 
 STEP_SHARE = 1.0 / 3.0  # share of the tightest recent TTFT target one step may take (NOTE(step-cap))
 MIN_STEP_TOKENS = 32  # ... but a step may always batch this many tokens
+EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
+EXPRESS_SHARE = 0.5  # ... and while express steps took less than this share of the recent step time
+EXPRESS_DECAY = 0.9  # per step: the memory of that share (~10 steps)
 
 
 class EngineCore:
@@ -94,6 +97,8 @@ class EngineCore:
         self._last_seq_limit = config.max_num_seqs
         self.step_model = StepTimeModel()
         self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
+        self._express_time = [0.0, 0.0]  # decayed seconds of recent steps: express, all
+        self.num_express_steps = 0
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -168,7 +173,13 @@ class EngineCore:
         self._pending_aborts.clear()
         self.lora.poll()  # NOTE(lora-loads) in lora_manager: install finished loads, start queued ones
         outputs += self._fail_lora_waiters()
-        sched = self.scheduler.schedule(self._token_budget())
+        budget = self._token_budget()
+        express = self._express(budget)
+        sched = self.scheduler.schedule(budget, express)
+        if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
+            express = False
+            sched = self.scheduler.schedule(budget)
+        self.num_express_steps += express
         if not sched.is_empty:
             tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
@@ -181,6 +192,9 @@ class EngineCore:
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
+            share = self._express_time
+            share[0] = share[0] * EXPRESS_DECAY + (t1 - t0 if express else 0.0)
+            share[1] = share[1] * EXPRESS_DECAY + (t1 - t0)
         elif self.kv_tiers is not None and self.scheduler.loading:
             self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
@@ -195,20 +209,47 @@ class EngineCore:
         """The step's token budget: ``max_num_batched_tokens``, or less while tight TTFT targets are about.
 
         NOTE(step-cap): a request arriving mid-step waits for that step to end,
-        then for its own prefill step, so its TTFT is up to two step times.
-        While requests with a TTFT target have come in recently, a step is
-        bounded to ``STEP_SHARE`` of the tightest target (by the measured step
-        time), never under ``MIN_STEP_TOKENS``: a P0 arriving into a full 512-
-        token step on a CPU would otherwise wait most of a second for it.
-        Throughput pays a little (the per-step fixed cost comes more often).
+        then for its own prefill step (an express step for P0, NOTE(express-step)
+        in the scheduler).  While requests with a TTFT target have come in
+        recently, a step's prefill tokens are bounded so that the step takes
+        ``STEP_SHARE`` of the tightest target (by the measured step time), never
+        fewer than ``MIN_STEP_TOKENS``: a P0 arriving into a full 512-token step
+        on a CPU would otherwise wait most of a second for it.  Every running
+        decode stays in the budget: bounding the decodes (the slots) would make
+        requests wait for slots instead.  Throughput pays a little (the
+        per-step fixed cost comes more often).
         """
         target = self.scheduler.tightest_ttft_target()
         model = self.step_model
         if target is None or model.per_token <= 0.0:
             return None
-        fixed = model.base + model.per_seq * len(self.scheduler.running)
-        tokens = (STEP_SHARE * target - fixed) / model.per_token
-        return max(MIN_STEP_TOKENS, int(tokens))
+        decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
+        fixed = model.predict(decodes, decodes + 1)  # every decode, and a prefilling sequence
+        prefill = max(MIN_STEP_TOKENS, int((STEP_SHARE * target - fixed) / model.per_token))
+        return min(self.config.max_num_batched_tokens, decodes + prefill)
+
+    def _express(self, budget: int | None) -> bool:
+        """Whether the next step runs P0's pending prefills alone (the scheduler's NOTE(express-step)).
+
+        Only when a normal step (every running decode next to those prefills)
+        would take ``EXPRESS_GAIN`` times as long as the prefills alone, by the
+        measured step time, and while express steps took under ``EXPRESS_SHARE``
+        of the recent step time: the other classes' decodes keep at least the
+        rest of the engine's time.
+        """
+        model = self.step_model
+        express, total = self._express_time
+        if not self.config.express_steps or model.per_token <= 0.0 or express > EXPRESS_SHARE * total:
+            return False
+        seqs, tokens = self.scheduler.urgent_prefill()
+        if seqs == 0:
+            return False
+        cap = self.config.max_num_batched_tokens if budget is None else budget
+        tokens = min(tokens, cap)
+        decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
+        alone = model.predict(tokens, seqs)
+        normal = model.predict(min(cap, tokens + decodes), seqs + decodes)
+        return normal > EXPRESS_GAIN * alone
 
     def _observe_step(self, num_tokens: int, num_seqs: int, start: float, end: float) -> None:
         """Feed the step-time model one step late, so back-to-back steps include the loop's own overhead.

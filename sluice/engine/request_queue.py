@@ -68,6 +68,10 @@ class RequestQueue(ABC):
         q = self._qs[priority]
         return q[0] if q else None
 
+    def of_class(self, priority: int) -> Iterator[Request]:
+        """Class ``priority``'s waiting requests, FIFO."""
+        return iter(self._qs[priority])
+
     def pop_head(self, priority: int) -> Request:
         return self._qs[priority].popleft()
 

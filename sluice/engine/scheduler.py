@@ -91,7 +91,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     token_budget: int = 0  # this step's budget (max_num_batched_tokens, or less to bound the step's time)
-    seq_limit: int = 0  # running requests it admits up to (max_num_seqs, or fewer with a bounded budget)
+    seq_limit: int = 0  # running requests it admits up to (max_num_seqs)
+    express: bool = False  # only P0 prefills, no decodes (NOTE(express-step))
     prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
 
     @property
@@ -107,7 +108,8 @@ class _Step:
     budget: int  # tokens left of max_num_batched_tokens
     by_id: dict[str, ScheduledRequest]  # request_id -> its entry in out.scheduled
     now: float  # monotonic
-    seq_limit: int  # running requests this step admits up to (max_num_seqs, or fewer: NOTE(bounded-slots))
+    seq_limit: int  # running requests this step admits up to (max_num_seqs: NOTE(bounded-slots))
+    express: bool = False  # only P0 prefills this step (NOTE(express-step))
     adapters: set[int] = field(default_factory=set)  # lora_id of running requests (and admitted this step)
     passed_over: list[Request] = field(default_factory=list)  # waiting adapter requests set aside this step
 
@@ -298,24 +300,42 @@ class Scheduler:
             recent.popleft()
         return recent[0][1] if recent else None
 
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
-        """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``)."""
+    def urgent_prefill(self) -> tuple[int, int]:
+        """(sequences, tokens) of P0 prefill work with a TTFT target: waiting, or a chunked prefill running."""
+        n = t = 0
+        for r in self.running:
+            if r.priority == Priority.P0 and not r.is_prefill_done and r.ttft_target > 0.0:
+                n, t = n + 1, t + r.num_tokens - r.num_computed_tokens
+        for r in self.waiting.of_class(Priority.P0):
+            if r.ttft_target > 0.0:
+                n, t = n + 1, t + r.num_tokens
+        return n, t
+
+    def schedule(self, token_budget: int | None = None, express: bool = False) -> SchedulerOutput:
+        """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``).
+
+        NOTE(express-step): ``express`` plans a step of P0 prefills only (waiting
+        P0 requests and running P0 chunked prefills), no decodes.  A P0 arriving
+        while a step runs otherwise waits for that step and then for a full step
+        of every running decode next to its prefill; in an express step its
+        prefill runs alone, so its TTFT is the rest of the running step plus a
+        short one.  The engine asks for it (``EngineCore``) while express steps
+        took under half of the recent step time.
+        """
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
-        # NOTE(bounded-slots): with the budget bounded below max_num_batched_tokens,
-        # more running requests than half the budget could not all decode each step
-        # and leave no tokens for prefills: the starved ones would hold slots and
-        # blocks for nothing, and be preempted for nothing.  New admissions then stop
-        # at half the budget (running requests are never preempted for it).
+        # NOTE(bounded-slots): a budget bounded below max_num_batched_tokens (the
+        # engine's NOTE(step-cap)) still holds every running decode plus some
+        # prefill tokens; admissions do not shrink the slots, or a class with many
+        # short requests (P0 under load) would wait for slots instead of tokens.
         seq_limit = self.max_num_seqs
-        if budget < self.max_num_batched_tokens:
-            seq_limit = min(seq_limit, max(1, budget // 2))
-        step = _Step(SchedulerOutput(seq_limit=seq_limit), budget, {}, self.clock(), seq_limit)
+        step = _Step(SchedulerOutput(seq_limit=seq_limit, express=express), budget, {}, self.clock(), seq_limit,
+                     express)  # fmt: skip
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         self._admit_loaded()
         self.running.sort(key=self._order_key)
         self._update_peaks(step.now)
         # 1: running decodes, most urgent first, one token each
-        for req in [r for r in self.running if r.is_prefill_done]:
+        for req in [r for r in self.running if r.is_prefill_done and not express]:
             if step.budget <= 0:
                 break
             if req.status is RequestStatus.RUNNING:  # else preempted earlier in this loop
@@ -352,6 +372,11 @@ class Scheduler:
             if not r.is_prefill_done:
                 chunked[r.priority].append(r)
         can_admit = [True for _ in Priority]
+        if step.express:  # NOTE(express-step): P0's prefills only
+            for c in Priority:
+                if c != Priority.P0:
+                    chunked[c].clear()
+                    can_admit[c] = False
         while True:
             oldest: list[float | None] = []
             behind: list[bool] = []

@@ -255,19 +255,62 @@ def test_engine_bounds_its_steps_while_tight_targets_are_about(tiny_llama: Path)
     assert engine.make_stats().max_num_batched_tokens == 100, "the stats report the bounded budget"
 
 
-def test_bounded_budget_admits_up_to_half_of_it_and_a_p0_takes_just_one_slot() -> None:
+def test_bounded_budget_keeps_every_decode_and_every_slot() -> None:
     sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=16)
     for i in range(12):
         sched.add_request(make_request(f"p2-{i}", Priority.P2, num_tokens=4, arrival=10.0 + i))
     apply(sched, sched.schedule())
-    assert len(sched.running) == 12, "full budget: up to max_num_seqs"
+    assert len(sched.running) == 12
     sched.add_request(make_request("p2-late", Priority.P2, num_tokens=4, arrival=30.0))
     out = sched.schedule(token_budget=16)
-    assert out.seq_limit == 8 and "p2-late" not in scheduled_ids(out), "bounded to 16 tokens: no new admission past 8"
+    ids = scheduled_ids(out)
+    assert out.seq_limit == 16, "a bounded budget does not shrink the slots (NOTE(bounded-slots))"
+    assert all(ids[f"p2-{i}"] == 1 for i in range(12)) and ids["p2-late"] == 4, "12 decodes, and 4 prefill tokens left"
     apply(sched, out)
     sched.add_request(make_request("p0", Priority.P0, num_tokens=4, arrival=40.0))
-    out = sched.schedule(token_budget=16)
-    assert "p0" in scheduled_ids(out) and len(out.preempted) == 1, "a P0 takes one slot, not 5 to get under the limit"
+    out = sched.schedule(token_budget=13 + 4)
+    assert scheduled_ids(out)["p0"] == 4 and not out.preempted, "a free slot: the P0 preempts nobody"
+
+
+def test_express_step_runs_p0_prefills_alone() -> None:
+    sched = create_scheduler(max_num_batched_tokens=256, max_num_seqs=16)
+    for i in range(6):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, num_tokens=8, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    sched.add_request(make_request("p1", Priority.P1, num_tokens=8, arrival=20.0))
+    sched.add_request(make_request("p0", Priority.P0, num_tokens=40, arrival=21.0, ttft_target=0.1))
+    assert sched.urgent_prefill() == (1, 40)
+    out = sched.schedule(token_budget=32, express=True)
+    assert out.express and scheduled_ids(out) == {"p0": 32}, "only P0's prefill: no decode, no P1 admission"
+    apply(sched, out)
+    assert sched.urgent_prefill() == (1, 8), "its chunked prefill is still urgent"
+    out = sched.schedule(express=True)
+    assert scheduled_ids(out) == {"p0": 8}
+    apply(sched, out)
+    out = sched.schedule()
+    ids = scheduled_ids(out)
+    assert not out.express and all(ids[f"p2-{i}"] == 1 for i in range(6)) and ids["p0"] == 1 and ids["p1"] == 8
+
+
+def test_engine_takes_an_express_step_for_a_p0_among_many_decodes(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=16)
+    for i in range(12):
+        engine.add_request(EngineRequest(request_id=f"p2-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY, priority=2))
+    for _ in range(3):
+        engine.step()
+    for n, q in ((16, 16), (200, 4), (12, 12), (64, 2)) * 4:
+        engine.step_model.observe(n, 0.002 + 0.0001 * n + 0.001 * q, q)  # a = 2 ms, b = 0.1 ms / token, c = 1 ms / seq
+    engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
+                                     priority=0, ttft_target=0.5))  # fmt: skip
+    # alone: 2 + 1 + 1 ms; next to the 12 decodes: 2 + 2.2 + 13 ms
+    assert engine._express(engine._token_budget())
+    outs = engine.step()
+    assert engine.num_express_steps == 1 and [o.request_id for o in outs] == ["p0"], "the P0's first token, alone"
+    assert not engine._express(engine._token_budget()), "nothing urgent left"
+    engine.add_request(EngineRequest(request_id="p0-b", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
+                                     priority=0, ttft_target=0.5))  # fmt: skip
+    engine._express_time = [0.6, 1.0]
+    assert not engine._express(engine._token_budget()), "express steps took over half the recent time: a normal step"
 
 
 def test_lower_classes_leave_p0s_recent_peak_of_slots_free() -> None:
@@ -300,3 +343,18 @@ def test_running_p0s_sit_in_their_reserved_slots_not_in_the_lower_classes() -> N
     apply(sched, sched.schedule())
     p2 = [r for r in sched.running if r.priority == Priority.P2]
     assert len(sched.running) == 7 and len(p2) == 8 - 3 - 1, "3 P0s run in their reserved slots; P2 gets the other 4"
+
+
+def test_an_express_step_that_cannot_start_its_p0_falls_back_to_a_normal_step(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=2)
+    for i in range(2):
+        engine.add_request(EngineRequest(request_id=f"p0-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY,
+                                         priority=0, ttft_target=0.5))  # fmt: skip
+    engine.step()
+    for n, q in ((16, 16), (200, 4), (12, 12), (64, 2)) * 4:
+        engine.step_model.observe(n, 0.002 + 0.0001 * n + 0.005 * q, q)  # c = 5 ms / seq
+    engine.add_request(EngineRequest(request_id="p0-late", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
+                                     priority=0, ttft_target=0.5))  # fmt: skip
+    assert engine._express(engine._token_budget()), "a P0 is waiting and decodes are running"
+    outs = engine.step()  # both slots held by P0s: the express step is empty, so the decodes run
+    assert sorted(o.request_id for o in outs) == ["p0-0", "p0-1"] and engine.num_express_steps == 0

@@ -56,3 +56,18 @@ def test_doctor_without_probes_reports_the_machine_only() -> None:
     r = collect_report()
     assert r["torch"] is None and r["gpus"] == [] and "attention" not in r, "obs knows no engine by itself"
     assert collect_report([lambda: {"attention": {"chosen": "x"}}])["attention"] == {"chosen": "x"}
+
+
+def test_without_an_exporter_spans_are_not_recorded_but_the_trace_id_goes_on() -> None:
+    from sluice.obs.tracing import Tracing, build_tracer_provider
+
+    tracing = Tracing(build_tracer_provider(None))  # NOTE(unrecorded-spans)
+    parent = tracing.extract({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    span = tracing.start_request_span("POST /v1/completions", parent, {"sluice.priority": "p0"})
+    assert not span.is_recording()
+    assert format(span.get_span_context().trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    tp = tracing.traceparent(span)
+    assert tp is not None and tp.startswith("00-0af7651916cd43dd8448eb211c80319c-"), "the engine gets the client's trace"
+    fresh = tracing.start_request_span("POST /v1/completions", tracing.extract({}), {})
+    assert fresh.get_span_context().trace_id != 0, "no traceparent: a new trace id all the same"
+    tracing.record_span(span, "queue", 1.0, 2.0, {})  # nothing to record into: no error, no span

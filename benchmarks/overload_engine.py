@@ -1,0 +1,185 @@
+"""The engine alone under overload: P0's time to first token with and without express steps (issue 11).
+
+    python benchmarks/overload_engine.py                 # ~3 minutes on 2 cores
+    python benchmarks/overload_engine.py --step-s 5      # smoke
+
+``benchmarks/overload.py`` measures through HTTP with the load generator on
+the same 2 cores, where the API process and the client add tens of
+milliseconds.  This one drives ``EngineCore`` in-process (no HTTP, no
+admission control: nothing is shed, the lower classes queue) to show what the
+engine's scheduling alone does for P0:
+
+1. capacity: completed requests/s of a closed loop of ``--concurrency``
+   requests (the class mix), express steps on;
+2. open-loop Poisson arrivals at 1x and 3x that capacity for ``--step-s``
+   each, class mix 20% P0 / 30% P1 / 50% P2, 12-token prompts, 16 output
+   tokens; every request carries its class's TTFT target (P0
+   ``--p0-target``, P1 2 s, P2 5 s), as the API process sends them;
+3. each load twice, one run after the other: ``express_steps`` on (the
+   default) and off.
+
+TTFT here is from the request's arrival time to the end of the step that
+produced its first token.  Writes section ``overload_engine`` of
+docs/benchmarks.md and prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+
+from sluice.engine.core import EngineCore  # noqa: E402
+from sluice.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
+
+MIX = (0.2, 0.3, 0.5)
+PROMPT_TOKENS = 12
+
+
+def _engine(express: bool, concurrency: int, model: str = "smollm2") -> EngineCore:
+    engine = EngineCore(model=model, max_num_seqs=concurrency, express_steps=express)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    rng = random.Random(1)
+    for i in range(2 * concurrency):  # warm-up: kernels, the step-time fit
+        engine.add_request(EngineRequest(request_id=f"w{i}", sampling=sp, priority=2,
+                                         prompt_token_ids=[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]))  # fmt: skip
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine
+
+
+def _request(rng: random.Random, rid: str, priority: int, targets: tuple[float, ...], arrival: float) -> EngineRequest:
+    return EngineRequest(request_id=rid, priority=priority, arrival_time=arrival, ttft_target=targets[priority],
+                         sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                         prompt_token_ids=[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)])  # fmt: skip
+
+
+def capacity(concurrency: int, seconds: float, targets: tuple[float, ...], model: str = "smollm2") -> float:
+    engine = _engine(True, concurrency, model)
+    rng = random.Random(2)
+    n = done = 0
+    t0 = time.monotonic()
+    warm = t0 + seconds / 4
+
+    def add() -> None:
+        nonlocal n
+        p = rng.choices(range(3), MIX)[0]
+        engine.add_request(_request(rng, f"c{n}", p, targets, time.monotonic()))
+        n += 1
+
+    for _ in range(concurrency):
+        add()
+    while time.monotonic() < t0 + seconds:
+        for out in engine.step():
+            if out.finished:
+                done += time.monotonic() >= warm
+                add()
+    return done / (time.monotonic() - warm)
+
+
+def run_load(express: bool, rate: float, seconds: float, concurrency: int, targets: tuple[float, ...],
+             seed: int, model: str = "smollm2") -> dict[str, Any]:  # fmt: skip
+    engine = _engine(express, concurrency, model)
+    rng = random.Random(seed)
+    arrivals: list[tuple[float, int]] = []
+    t = 0.0
+    while (t := t + rng.expovariate(rate)) < seconds:
+        arrivals.append((t, rng.choices(range(3), MIX)[0]))
+    sent: dict[str, tuple[float, int]] = {}
+    first: dict[str, float] = {}
+    steps: list[float] = []
+    express0 = engine.num_express_steps
+    k = 0
+    t0 = time.monotonic()
+    deadline = t0 + seconds + 60.0  # the queued lower classes drain, within bounds
+    while (k < len(arrivals) or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        now = time.monotonic() - t0
+        while k < len(arrivals) and arrivals[k][0] <= now:
+            at, p = arrivals[k]
+            engine.add_request(_request(rng, f"r{k}", p, targets, t0 + at))
+            sent[f"r{k}"] = (t0 + at, p)
+            k += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.002, arrivals[k][0] - now)))
+            continue
+        s0 = time.monotonic()
+        outs = engine.step()
+        s1 = time.monotonic()
+        steps.append(s1 - s0)
+        for out in outs:
+            if out.request_id in sent and out.request_id not in first and out.new_token_ids:
+                first[out.request_id] = s1 - sent[out.request_id][0]
+    elapsed = time.monotonic() - t0
+    res: dict[str, Any] = {"express": express, "rate": rate, "sent": len(sent), "elapsed_s": elapsed,
+                           "steps": len(steps), "express_steps": engine.num_express_steps - express0,
+                           "step_ms_mean": 1e3 * statistics.fmean(steps) if steps else 0.0, "classes": {}}  # fmt: skip
+    for p in range(3):
+        v = sorted(first[r] for r in first if sent[r][1] == p)
+        n = sum(1 for r in sent if sent[r][1] == p)
+        if not v:
+            continue
+        res["classes"][f"p{p}"] = {
+            "sent": n, "first_tokens": len(v),
+            "ttft_p50_ms": 1e3 * v[len(v) // 2], "ttft_p95_ms": 1e3 * v[min(len(v) - 1, int(0.95 * len(v)))],
+            "ttft_p99_ms": 1e3 * v[min(len(v) - 1, int(0.99 * len(v)))],
+            "attainment": sum(1 for x in v if x <= targets[p]) / n,
+        }  # fmt: skip
+    res["completed_rps"] = len(first) / elapsed
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--step-s", type=float, default=20.0, help="seconds of arrivals per load step")
+    ap.add_argument("--calibrate-s", type=float, default=10.0)
+    ap.add_argument("--concurrency", type=int, default=64, help="max_num_seqs and the closed loop's size")
+    ap.add_argument("--p0-target", type=float, default=0.07, help="P0's TTFT target (s): ~4x the lone TTFT over HTTP")
+    ap.add_argument("--loads", default="1,3", help="multiples of the capacity")
+    ap.add_argument("--model", default="smollm2", help="what the engine loads (default: the embedded SmolLM2)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    targets = (args.p0_target, 2.0, 5.0)
+    cap = capacity(args.concurrency, args.calibrate_s, targets, args.model)
+    print(f"capacity {cap:.1f} req/s", flush=True)
+    results = []
+    for mult in (float(x) for x in args.loads.split(",")):
+        for express in (True, False):
+            r = run_load(express, mult * cap, args.step_s, args.concurrency, targets, seed=int(mult * 10), model=args.model)
+            r["load"] = mult
+            results.append(r)
+            p0 = r["classes"].get("p0", {})
+            print(f"{mult:g}x express={'on' if express else 'off'}: P0 TTFT p50/p99 "
+                  f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f} ms, attainment "
+                  f"{p0.get('attainment', 0):.1%}; {r['completed_rps']:.1f} first tokens/s", flush=True)  # fmt: skip
+    headers = ["load", "express steps", "P0 TTFT p50/p95/p99 (ms)", "P0 attainment", "P1 TTFT p50 (ms)",
+               "P2 TTFT p50 (ms)", "requests started/s", "steps (express)", "mean step (ms)"]  # fmt: skip
+    rows = []
+    for r in results:
+        c = r["classes"]
+        p0 = c.get("p0", {})
+        rows.append([f"{r['load']:g}x", "on" if r["express"] else "off",
+                     f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p95_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f}",
+                     f"{p0.get('attainment', 0):.1%}", f"{c.get('p1', {}).get('ttft_p50_ms', 0):.0f}",
+                     f"{c.get('p2', {}).get('ttft_p50_ms', 0):.0f}", f"{r['completed_rps']:.1f}",
+                     f"{r['steps']} ({r['express_steps']})", f"{r['step_ms_mean']:.1f}"])  # fmt: skip
+    table = markdown_table(headers, rows)
+    print(table)
+    if not args.no_write:
+        body = (f"`python benchmarks/overload_engine.py` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
+                f"nothing is shed). Capacity {cap:.1f} req/s (closed loop of {args.concurrency}); open-loop "
+                f"Poisson for {args.step_s:g} s per load, 20/30/50% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
+                f"tokens; targets P0 {args.p0_target:g} s, P1 2 s, P2 5 s. TTFT: arrival to the end of the step "
+                f"with the first token. Express steps on and off run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
+        write_section("overload_engine", body)
+    print_json_last({"benchmark": "overload_engine", "capacity_rps": cap, "results": results})
+
+
+if __name__ == "__main__":
+    main()
