@@ -172,7 +172,8 @@ def main() -> None:
     table = markdown_table(headers, rows)
     print(table)
     if not args.no_write:
-        body = (f"`python benchmarks/overload_engine.py` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
+        body = (f"## Overload, the engine alone (`benchmarks/overload_engine.py`)\n\n"
+                f"`python benchmarks/overload_engine.py` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
                 f"nothing is shed). Capacity {cap:.1f} req/s (closed loop of {args.concurrency}); open-loop "
                 f"Poisson for {args.step_s:g} s per load, 20/30/50% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
                 f"tokens; targets P0 {args.p0_target:g} s, P1 2 s, P2 5 s. TTFT: arrival to the end of the step "
