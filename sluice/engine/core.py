@@ -94,7 +94,6 @@ class EngineCore:
         self._last_step_time = 0.0
         self._last_batched = 0
         self._last_budget = config.max_num_batched_tokens
-        self._last_seq_limit = config.max_num_seqs
         self.step_model = StepTimeModel()
         self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
         self._express_time = [0.0, 0.0]  # decayed seconds of recent steps: express, all
@@ -188,7 +187,6 @@ class EngineCore:
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
             self._last_budget = sched.token_budget
-            self._last_seq_limit = sched.seq_limit
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
@@ -329,8 +327,8 @@ class EngineCore:
             step_time_per_token=self.step_model.per_token,
             step_time_per_seq=self.step_model.per_seq,
             max_num_batched_tokens=self._last_budget,
-            max_num_seqs=self._last_seq_limit,
-            seq_limit_by_priority=[sch.seq_limit_for(p, self._last_seq_limit) for p in range(3)],
+            max_num_seqs=sch.max_num_seqs,
+            seq_limit_by_priority=[sch.seq_limit_for(p) for p in range(3)],
             running_slots=[[r.priority, r.num_output_tokens, max(1, r.sampling.max_tokens - r.num_output_tokens)]
                            for r in (*sch.running, *sch.loading)],  # fmt: skip
             lora=self.lora.make_stats(

@@ -91,7 +91,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     token_budget: int = 0  # this step's budget (max_num_batched_tokens, or less to bound the step's time)
-    seq_limit: int = 0  # running requests it admits up to (max_num_seqs)
     express: bool = False  # only P0 prefills, no decodes (NOTE(express-step))
     prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
 
@@ -108,7 +107,6 @@ class _Step:
     budget: int  # tokens left of max_num_batched_tokens
     by_id: dict[str, ScheduledRequest]  # request_id -> its entry in out.scheduled
     now: float  # monotonic
-    seq_limit: int  # running requests this step admits up to (max_num_seqs: NOTE(bounded-slots))
     express: bool = False  # only P0 prefills this step (NOTE(express-step))
     adapters: set[int] = field(default_factory=set)  # lora_id of running requests (and admitted this step)
     passed_over: list[Request] = field(default_factory=list)  # waiting adapter requests set aside this step
@@ -274,7 +272,7 @@ class Scheduler:
             counts[r.priority] += 1
         self.peak_running = [max(float(n), p * decay) for n, p in zip(counts, self.peak_running, strict=True)]
 
-    def seq_limit_for(self, priority: int, seq_limit: int) -> int:
+    def seq_limit_for(self, priority: int) -> int:
         """Running requests class ``priority`` may be admitted up to: the slots not reserved for higher classes.
 
         NOTE(trunk-reservation): preempting a lower class to give a slot to a
@@ -285,12 +283,12 @@ class Scheduler:
         P2 share the rest by WFQ.  With no P0 traffic of late nothing is reserved.
         The limit of a lower class counts the holders of classes other than P0
         (P0's own running requests sit in the reserved slots), under the total
-        ``seq_limit``.
+        ``max_num_seqs``.
         """
         peak = self.peak_running[Priority.P0]
         if priority == Priority.P0 or peak <= 0.0:
-            return seq_limit
-        return max(1, seq_limit - math.ceil(peak) - 1)
+            return self.max_num_seqs
+        return max(1, self.max_num_seqs - math.ceil(peak) - 1)
 
     def tightest_ttft_target(self) -> float | None:
         """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds."""
@@ -325,11 +323,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
         # NOTE(bounded-slots): a budget bounded below max_num_batched_tokens (the
         # engine's NOTE(step-cap)) still holds every running decode plus some
-        # prefill tokens; admissions do not shrink the slots, or a class with many
-        # short requests (P0 under load) would wait for slots instead of tokens.
-        seq_limit = self.max_num_seqs
-        step = _Step(SchedulerOutput(seq_limit=seq_limit, express=express), budget, {}, self.clock(), seq_limit,
-                     express)  # fmt: skip
+        # prefill tokens; it does not shrink the slots (max_num_seqs), or a class
+        # with many short requests (P0 under load) would wait for slots instead.
+        step = _Step(SchedulerOutput(express=express), budget, {}, self.clock(), express)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         self._admit_loaded()
         self.running.sort(key=self._order_key)
@@ -445,11 +441,11 @@ class Scheduler:
         num_cached_tokens = num_memory_tokens + len(tier) * bm.block_size
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
         lower = [r for r in self.running if r.priority > req.priority]
-        limit = self.seq_limit_for(req.priority, step.seq_limit)
+        limit = self.seq_limit_for(req.priority)
         holders = len(self.running) + len(self.loading)
         # P0's own holders sit in the slots kept for it: a lower class's limit counts the other classes only
         reserved = 0 if req.priority == Priority.P0 else sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
-        if holders - len(lower) - reserved >= limit or holders - len(lower) >= step.seq_limit:
+        if holders - len(lower) - reserved >= limit or holders - len(lower) >= self.max_num_seqs:
             return False  # every slot it may use is held by this class or a higher one
         if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
             return False  # even preempting every lower class would not make it fit
@@ -458,7 +454,7 @@ class Scheduler:
         # newest first, by recompute: on CPU, recomputing a short prefix costs
         # less than copying its blocks out and back (no swap space), and the
         # victim's full blocks stay in the prefix cache until evicted.
-        if holders - reserved >= limit or holders >= step.seq_limit:  # one slot, even when the limit fell below the running count
+        if holders - reserved >= limit or holders >= self.max_num_seqs:  # one slot, even when the limit fell below the running count
             victim = self._lower_victim(req.priority)
             if victim is None:
                 return False
