@@ -9,12 +9,14 @@ Spans per server request (the engine stages come from ``server.telemetry.record_
      └── decode     first token -> finished         /  the engine's RequestTimings
 
 The exporter is off unless ``--otlp-endpoint`` is given; tests pass a provider
-with an in-memory exporter.  NOTE(unrecorded-spans): with no exporter the
-provider samples nothing: spans are not recorded (building a recorded span,
-its attributes and the stage spans cost ~15% of the API process's CPU under
-load, for nothing), yet each request still gets its trace id, from the
-client's ``traceparent`` or a new one, and passes it on to the engine.  The provider belongs to the app (never set
+with an in-memory exporter.  The provider belongs to the app (never set
 globally), so several apps can live in one test process.
+
+NOTE(unrecorded-spans): with no exporter the provider samples nothing: spans
+are not recorded (building a recorded span, its attributes and the stage
+spans cost ~15% of the API process's CPU under load, for nothing), yet each
+request still gets its trace id, from the client's ``traceparent`` or a new
+one, and passes it on to the engine.
 """
 
 from __future__ import annotations
@@ -37,14 +39,13 @@ __all__ = ["build_tracer_provider", "Tracing"]
 def build_tracer_provider(otlp_endpoint: str | None, service_name: str = "sluice-serve") -> TracerProvider:
     if not otlp_endpoint:  # NOTE(unrecorded-spans)
         return TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=ALWAYS_OFF)
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        endpoint = otlp_endpoint.rstrip("/")
-        if not endpoint.endswith("/v1/traces"):
-            endpoint += "/v1/traces"
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    endpoint = otlp_endpoint.rstrip("/")
+    if not endpoint.endswith("/v1/traces"):
+        endpoint += "/v1/traces"
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     return provider
 
 

@@ -141,6 +141,11 @@ class EngineLoad:
     def is_measured(self) -> bool:
         return self.step_time_base > 0.0 or self.step_time_per_token > 0.0
 
+    @property
+    def slot_hold_steps(self) -> float:
+        """Steps a request admitted now holds its slot: a prefill step and the measured mean output."""
+        return 1.0 + max(1.0, self.mean_output_tokens)
+
     def step_time(self, num_tokens: float, num_seqs: float = 0.0) -> float:
         return self.step_time_base + self.step_time_per_token * num_tokens + self.step_time_per_seq * num_seqs
 
@@ -156,6 +161,12 @@ def unloaded_ttft(load: EngineLoad, num_prompt_tokens: int) -> float:
     budget = max(1, load.max_num_batched_tokens)
     steps = max(1, math.ceil(num_prompt_tokens / budget))
     return steps * load.step_time(0, 1) + load.step_time_per_token * num_prompt_tokens
+
+
+def _slot_classes(c: int) -> slice:
+    """The classes whose slot holders count against class ``c``'s limit: P0 for P0; 1..c for the others,
+    whose limit leaves P0's reserved slots out (NOTE(trunk-reservation) in the scheduler)."""
+    return slice(0 if c == 0 else 1, c + 1)
 
 
 def _seq_limit(load: EngineLoad, c: int) -> int:
@@ -186,17 +197,17 @@ def _slot_wait_steps(load: EngineLoad, c: int, limit: int, max_ahead: int = 4096
     assert load.running_slots is not None
     mean = max(1.0, load.mean_output_tokens)
     times = []
-    first = 0 if c == 0 else 1  # P0's holders sit in its reserved slots
+    classes = range(3)[_slot_classes(c)]
     for p, generated, left in load.running_slots:
-        if first <= p <= c:
+        if p in classes:
             expected = mean - generated if generated < mean else mean
             times.append(float(max(1.0, min(float(left), expected))))
     times.extend(0.0 for _ in range(limit - len(times)))
     heapq.heapify(times)
     for _ in range(len(times) - limit):  # over the limit (it fell): those slots do not come back
         heapq.heappop(times)
-    ahead = sum(load.num_waiting_by_priority[first : c + 1])
-    hold = 1.0 + mean
+    ahead = sum(load.num_waiting_by_priority[_slot_classes(c)])
+    hold = load.slot_hold_steps
     for _ in range(min(ahead, max_ahead)):
         heapq.heappush(times, heapq.heappop(times) + hold)
     start = heapq.heappop(times)
@@ -237,9 +248,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
     # each prefill step carries the decodes and at least one prefilling sequence
     prefill_bound = steps * load.step_time(decodes, decodes + 1) + load.step_time_per_token * served
     # slots: running and queued requests of this class and higher ones come first
-    # NOTE(trunk-reservation) in the scheduler: a lower class's limit counts the holders of classes 1..c only
-    first = 0 if c == 0 else 1
-    holders = sum(load.num_running_by_priority[first : c + 1]) + sum(load.num_waiting_by_priority[first : c + 1])
+    classes = _slot_classes(c)
+    holders = sum(load.num_running_by_priority[classes]) + sum(load.num_waiting_by_priority[classes])
     limit = _seq_limit(load, c)
     short = holders + 1 - limit
     slot_bound = 0.0
@@ -254,8 +264,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
             # backlog's prefill spread over them (arrivals after it are not foreseen)
             p0 = 0.0
             if c > 0:
-                hold = 1.0 + max(1.0, load.mean_output_tokens)
-                p0 = (load.num_running_by_priority[0] + load.num_waiting_by_priority[0]) * min(1.0, hold / wait_steps)
+                p0_holders = load.num_running_by_priority[0] + load.num_waiting_by_priority[0]
+                p0 = p0_holders * min(1.0, load.slot_hold_steps / wait_steps)
             rows = min(float(load.max_num_seqs), limit + p0)
             prefill = min(per_step, sum(load.num_prefill_tokens_by_priority) / wait_steps)
             step = load.step_time(min(float(load.max_num_batched_tokens), rows + prefill), rows)
