@@ -187,7 +187,7 @@ def start_server(name: str, args: argparse.Namespace) -> Iterator[Server]:
 
 
 def _body(server: Server, i: int, priority: int, max_tokens: int) -> dict[str, Any]:
-    prompt = f"Write a short note about {TOPICS[i % len(TOPICS)]} number {i}."
+    prompt = f"Write a short note about {TOPICS[i % len(TOPICS)]} number {i}:"
     body: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                             "ignore_eos": True, "temperature": 0.0}  # fmt: skip
     if server.priority_field:

@@ -106,7 +106,8 @@ class Generation:
             self._on_started()
         if o.timings is not None:
             c.timings = o.timings
-        if o.new_token_ids and c.first_token_at is None:
+        is_first = bool(o.new_token_ids) and c.first_token_at is None
+        if is_first:
             c.first_token_at = time.monotonic()
         c.num_tokens += len(o.new_token_ids)
         delta = apply_output(c.detok, o)
@@ -128,7 +129,10 @@ class Generation:
                 c.timings.first_token = c.first_token_at
             self._num_done += 1
             self._on_choice_done(c)
-        elif not text and not lps:
+        elif not text and not lps and not is_first:
+            # NOTE(first-token-delta): the first token always makes a delta, even with no text
+            # (a skipped special token, text held back for a stop string or an incomplete
+            # UTF-8 sequence): a stream's first chunk marks its TTFT, not the first visible text.
             return None
         return Delta(c, text, lps, reason)
 

@@ -91,6 +91,19 @@ def test_stop_string_in_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_first_token_makes_a_chunk_even_when_its_text_is_held_back(client: openai.OpenAI) -> None:
+    # the first letter could start the stop string, so its text is held back until a later token
+    # shows the stop string does not match; the stream's first chunk still comes with the first
+    # token (empty text), so a client's TTFT is the engine's, not one step later
+    full = greedy_letters([256, *b"abc"], 6)
+    stream = client.completions.create(model="fake", prompt="abc", max_tokens=6, temperature=0,
+                                       stop=[full[0] + "!"], stream=True)  # fmt: skip
+    chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks]
+    assert texts[0] == "", f"the first token's chunk comes at once, with its text held back: {texts}"
+    assert "".join(texts) == full and len(chunks) == 6
+
+
 def test_n_choices_and_prompt_lists(client: openai.OpenAI) -> None:
     r = client.completions.create(model="fake", prompt=["ab", "cd"], n=2, max_tokens=3, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
