@@ -42,10 +42,11 @@ __all__ = ["EngineCore"]
 log = logging.getLogger("sluice.engine")
 
 STEP_SHARE = 1.0 / 3.0  # share of the tightest recent TTFT target one step may take (NOTE(step-cap))
-MIN_STEP_TOKENS = 32  # ... but a step may always batch this many tokens
+MIN_STEP_TOKENS = 16  # ... but a step may always batch this many prefill tokens
+MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slots (NOTE(row-cap))
 EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
-EXPRESS_SHARE = 0.5  # ... and while express steps took less than this share of the recent step time
-EXPRESS_DECAY = 0.9  # per step: the memory of that share (~10 steps)
+EXPRESS_SHARE = 0.7  # ... and while express steps took less than this share of the recent step time
+EXPRESS_DECAY = 0.97  # per step: the memory of that share (~30 steps, about a second: a burst of P0s passes)
 
 
 class EngineCore:
@@ -172,9 +173,10 @@ class EngineCore:
         self._pending_aborts.clear()
         self.lora.poll()  # NOTE(lora-loads) in lora_manager: install finished loads, start queued ones
         outputs += self._fail_lora_waiters()
+        self.scheduler.row_cap = self._row_cap()
         budget = self._token_budget()
         express = self._express(budget)
-        sched = self.scheduler.schedule(budget, express)
+        sched = self.scheduler.schedule(self._express_budget(budget) if express else budget, express)
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
             express = False
             sched = self.scheduler.schedule(budget)
@@ -186,7 +188,7 @@ class EngineCore:
                 self.kv_tiers.store_new(self.block_manager.take_newly_cached())
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
-            self._last_budget = sched.token_budget
+            self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = time.monotonic()
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
@@ -226,14 +228,40 @@ class EngineCore:
         prefill = max(MIN_STEP_TOKENS, int((STEP_SHARE * target - fixed) / model.per_token))
         return min(self.config.max_num_batched_tokens, decodes + prefill)
 
+    def _row_cap(self) -> int | None:
+        """Rows a step may carry for the classes below P0 while tight TTFT targets are about (None: no cap).
+
+        NOTE(row-cap): the step cap bounds a step's prefill tokens, but the
+        running decodes are the rest of the step, one row each, and on a CPU a
+        decode row costs about what a prefill token does (the GEMMs are
+        compute-bound past a few rows: SmolLM2 on 2 cores, ~4 ms + 0.75 ms a row).
+        64 running decodes make a 50-75 ms step that a P0 arriving mid-step
+        waits out before its own.  So the slots of the classes below P0 are
+        bounded too: with ``MIN_STEP_TOKENS`` of prefill, the decode rows that fit
+        ``STEP_SHARE`` of the tightest target, never fewer than ``MIN_STEP_ROWS``
+        (``Scheduler.seq_limit_for``: the cap less P0's running requests).  P0
+        keeps every slot.  Throughput pays for the smaller batches (~10% at 26
+        rows against 64 on that machine); the lower classes wait for slots
+        instead, which the admission's slot-turnover prediction sees (the stats
+        report the limits), so what cannot meet its target is refused at once.
+        """
+        target = self.scheduler.tightest_ttft_target()
+        model = self.step_model
+        if target is None or model.per_token <= 0.0:
+            return None
+        room = STEP_SHARE * target - model.predict(MIN_STEP_TOKENS, 1)
+        per_row = model.per_token + model.per_seq
+        return max(MIN_STEP_ROWS, int(room / per_row))
+
     def _express(self, budget: int | None) -> bool:
         """Whether the next step runs P0's pending prefills alone (the scheduler's NOTE(express-step)).
 
         Only when a normal step (every running decode next to those prefills)
         would take ``EXPRESS_GAIN`` times as long as the prefills alone, by the
-        measured step time, and while express steps took under ``EXPRESS_SHARE``
-        of the recent step time: the other classes' decodes keep at least the
-        rest of the engine's time.
+        measured step time, or could not hold them next to every decode within
+        the bounded budget (the P0s would wait two steps), and while express
+        steps took under ``EXPRESS_SHARE`` of the recent step time: the other
+        classes' decodes keep at least the rest of the engine's time.
         """
         model = self.step_model
         express, total = self._express_time
@@ -242,12 +270,19 @@ class EngineCore:
         seqs, tokens = self.scheduler.urgent_prefill()
         if seqs == 0:
             return False
-        cap = self.config.max_num_batched_tokens if budget is None else budget
-        tokens = min(tokens, cap)
+        tokens = min(tokens, self._express_budget(budget))
         decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
         alone = model.predict(tokens, seqs)
-        normal = model.predict(min(cap, tokens + decodes), seqs + decodes)
+        if budget is not None and tokens + decodes > budget:
+            return True  # a normal step would not hold every decode and this prefill: P0 would wait two steps
+        normal = model.predict(tokens + decodes, seqs + decodes)
         return normal > EXPRESS_GAIN * alone
+
+    def _express_budget(self, budget: int | None) -> int:
+        """An express step's tokens: twice the bounded budget (several P0 prompts in one step, not
+        chunked over two), at most ``max_num_batched_tokens``."""
+        cap = self.config.max_num_batched_tokens
+        return cap if budget is None else min(cap, 2 * budget)
 
     def _observe_step(self, num_tokens: int, num_seqs: int, start: float, end: float) -> None:
         """Feed the step-time model one step late, so back-to-back steps include the loop's own overhead.
@@ -327,6 +362,7 @@ class EngineCore:
             step_time_per_token=self.step_model.per_token,
             step_time_per_seq=self.step_model.per_seq,
             max_num_batched_tokens=self._last_budget,
+            express_budget=self._express_budget(self._last_budget) if self.config.express_steps else 0,
             max_num_seqs=sch.max_num_seqs,
             seq_limit_by_priority=[sch.seq_limit_for(p) for p in range(3)],
             running_slots=[[r.priority, r.num_output_tokens, max(1, r.sampling.max_tokens - r.num_output_tokens)]

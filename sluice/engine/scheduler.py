@@ -68,6 +68,9 @@ from sluice.types import Priority
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION"]
 
 BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request's class goes first
+BEHIND_STEPS = 2.0  # ... or once what is left of its target is less than this many step cycles (NOTE(behind))
+CYCLE_DECAY = 0.8  # per schedule(): memory of the step cycle time (NOTE(behind))
+IDLE_GAP_S = 0.5  # a gap between schedule() calls longer than this is idle time, not a step cycle
 TARGET_MEMORY_S = 10.0  # how long a TTFT target seen keeps bounding the step time (EngineCore)
 PEAK_DECAY_S = 5.0  # time constant of the decaying peak of running requests by class (NOTE(trunk-reservation))
 
@@ -145,6 +148,11 @@ class Scheduler:
         self._recent_targets: deque[tuple[float, float]] = deque()
         self.peak_running = [0.0 for _ in Priority]  # recent peak of running requests by class (decaying)
         self._peak_at = self.clock()
+        # rows a step may carry for the classes below P0 while tight targets are about (set by the
+        # engine each step from its step time, NOTE(row-cap) in EngineCore); None: max_num_seqs
+        self.row_cap: int | None = None
+        self.cycle_time = 0.0  # seconds from one schedule() to the next while busy (decaying mean)
+        self._last_schedule_at: float | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -258,11 +266,22 @@ class Scheduler:
 
     def _is_behind(self, req: Request | None, now: float) -> bool:
         # NOTE(behind): a request is behind once it has used half of its TTFT
-        # target without a first token: from then on its class goes first, so
-        # the second half is left for its own prefill and a step or two of noise.
+        # target without a first token, or once what is left of the target is
+        # less than BEHIND_STEPS step cycles (it cannot afford to be passed over
+        # for one more step): from then on its class goes first, so the rest is
+        # left for its own prefill and a step of noise.  The second rule is the
+        # one that holds a tight target: a P0 with 100 ms among 35 ms steps is
+        # behind when it arrives, so no lower class's prefill takes its tokens.
         if req is None or req.ttft_target <= 0.0 or req.timings.first_token is not None:
             return False
-        return now - req.timings.arrival > BEHIND_FRACTION * req.ttft_target
+        waited = now - req.timings.arrival
+        return waited > BEHIND_FRACTION * req.ttft_target or req.ttft_target - waited < BEHIND_STEPS * self.cycle_time
+
+    def _observe_cycle(self, now: float) -> None:
+        prev, self._last_schedule_at = self._last_schedule_at, now
+        if prev is not None and 0.0 < now - prev < IDLE_GAP_S:
+            gap = now - prev
+            self.cycle_time = gap if self.cycle_time <= 0.0 else CYCLE_DECAY * self.cycle_time + (1 - CYCLE_DECAY) * gap
 
     def _update_peaks(self, now: float) -> None:
         decay = math.exp(-max(0.0, now - self._peak_at) / PEAK_DECAY_S)
@@ -283,12 +302,17 @@ class Scheduler:
         P2 share the rest by WFQ.  With no P0 traffic of late nothing is reserved.
         The limit of a lower class counts the holders of classes other than P0
         (P0's own running requests sit in the reserved slots), under the total
-        ``max_num_seqs``.
+        ``max_num_seqs``.  While the engine bounds its steps (``row_cap``), the
+        lower classes also fill at most the cap's rows beside P0's running requests.
         """
-        peak = self.peak_running[Priority.P0]
-        if priority == Priority.P0 or peak <= 0.0:
+        if priority == Priority.P0:
             return self.max_num_seqs
-        return max(1, self.max_num_seqs - math.ceil(peak) - 1)
+        peak = self.peak_running[Priority.P0]
+        limit = self.max_num_seqs if peak <= 0.0 else self.max_num_seqs - math.ceil(peak) - 1
+        if self.row_cap is not None:  # NOTE(row-cap): the step's rows, less P0's running requests
+            p0 = sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
+            limit = min(limit, self.row_cap - p0)
+        return max(1, limit)
 
     def tightest_ttft_target(self) -> float | None:
         """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds."""
@@ -326,6 +350,7 @@ class Scheduler:
         # prefill tokens; it does not shrink the slots (max_num_seqs), or a class
         # with many short requests (P0 under load) would wait for slots instead.
         step = _Step(SchedulerOutput(express=express), budget, {}, self.clock(), express)
+        self._observe_cycle(step.now)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         self._admit_loaded()
         self.running.sort(key=self._order_key)
