@@ -19,6 +19,16 @@ shedding newest-first keeps the oldest P2 requests' queueing investment.
 Shedding is all or nothing: if shedding every lower-class request would not
 make room, nobody is shed.
 
+NOTE(higher-arrivals): the prediction counts what is queued now, but while a
+request of class c waits, requests of higher classes keep arriving and are
+served first: a lower-class request admitted on today's queue is later shed
+from the queue (a slow 429) or misses its target.  So the prediction of class
+c is divided by ``1 - rho``, where ``rho`` is the admitted arrival rate of the
+classes above c over the engine's measured completion rate (both exponentially
+weighted over ``RATE_WINDOW_S``): the wait of a preemptive priority queue.
+With ``rho`` near 1 the higher classes take the whole engine and the request is
+refused at once.  P0 has nothing above it.
+
 NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
 2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
 times U(1, 1.5), plus U(0, 1) s, so retries spread over the time the queue
@@ -27,6 +37,7 @@ needs to drain.  The header is whole seconds rounded up, never less.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -40,6 +51,25 @@ from sluice.types import Priority
 __all__ = ["AdmissionController", "Decision"]
 
 _EWMA = 0.1  # weight of a new sample in the measured means
+RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
+MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
+
+
+class _Rate:
+    """Events per second, exponentially weighted over ``RATE_WINDOW_S``."""
+
+    __slots__ = ("value", "at")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.at: float | None = None
+
+    def read(self, now: float) -> float:
+        return 0.0 if self.at is None else self.value * math.exp(-max(0.0, now - self.at) / RATE_WINDOW_S)
+
+    def tick(self, now: float) -> None:
+        self.value = self.read(now) + 1.0 / RATE_WINDOW_S
+        self.at = now
 
 
 @dataclass
@@ -92,6 +122,8 @@ class AdmissionController:
         self.mean_output_tokens = 16.0  # measured: generated tokens per finished request (16: a guess)
         self._num_finished = 0
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
+        self._admitted = [_Rate() for _ in Priority]  # admitted requests/s by class
+        self._completed = _Rate()  # finished requests/s
 
     @property
     def num_queued(self) -> int:
@@ -112,6 +144,22 @@ class AdmissionController:
             self.mean_output_tokens = float(num_generated)
         self._num_finished += 1
         self.mean_output_tokens += _EWMA * (num_generated - self.mean_output_tokens)
+        self._completed.tick(self._clock())
+
+    def higher_load(self, priority: int) -> float:
+        """``rho`` of NOTE(higher-arrivals): the classes above ``priority``'s admitted rate over the
+        completion rate (0 while either is unmeasured), at most ``MAX_HIGHER_LOAD``."""
+        now = self._clock()
+        mu = self._completed.read(now)
+        lam = sum(self._admitted[k].read(now) for k in range(int(priority)))
+        if mu <= 0.0 or lam <= 0.0:
+            return 0.0
+        return min(MAX_HIGHER_LOAD, lam / mu)
+
+    def predict(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
+        """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the
+        higher classes' arrivals while it waits (NOTE(higher-arrivals))."""
+        return predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority))
 
     def load(self) -> EngineLoad:
         """The engine's last stats plus the queued requests sent after them."""
@@ -140,7 +188,7 @@ class AdmissionController:
         out = []
         for p in Priority:
             target = self.target(p, n, load)
-            out.append((predict_ttft(load, p, n), 0.0 if target is None else target))
+            out.append((self.predict(load, p, n), 0.0 if target is None else target))
         return out
 
     def jittered(self, seconds: float) -> float:
@@ -186,8 +234,10 @@ class AdmissionController:
         for e in victims:
             self.remove(e.key)
         self._seq += 1
-        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, self._clock())
+        now = self._clock()
+        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now)
         self._num_tokens += num_tokens
+        self._admitted[priority].tick(now)
         return Decision([e.key for e in victims], predicted, target)
 
     def _predicted_wait(
@@ -197,7 +247,7 @@ class AdmissionController:
         assert target is not None
         for e in victims:
             load.add(e.priority, e.num_prompt_tokens, -1)
-        predicted = predict_ttft(load, priority, prompt)
+        predicted = self.predict(load, priority, prompt)
         if predicted <= target:
             return victims, predicted, target
         rest = [e for e in lower if e not in victims]
@@ -205,7 +255,7 @@ class AdmissionController:
                              "num_prefill_tokens_by_priority": list(load.num_prefill_tokens_by_priority)})  # fmt: skip
         for e in rest:
             best.add(e.priority, e.num_prompt_tokens, -1)
-        best_case = predict_ttft(best, priority, prompt)
+        best_case = self.predict(best, priority, prompt)
         if best_case > target:
             raise OverloadedError(
                 f"predicted time to first token {predicted:.2f} s is over the {priority.label} target "
@@ -216,7 +266,7 @@ class AdmissionController:
         for e in rest:  # shed just enough, lowest class and newest first
             victims = [*victims, e]
             load.add(e.priority, e.num_prompt_tokens, -1)
-            predicted = predict_ttft(load, priority, prompt)
+            predicted = self.predict(load, priority, prompt)
             if predicted <= target:
                 break
         return victims, predicted, target

@@ -21,7 +21,9 @@ The prediction (``predict_ttft``) is a model of the scheduler
                     token: its own class's backlog (FIFO) and the other classes'
                     shares of the budget while it waits (wfq: GPS shares 5:3:1,
                     priority: every higher class, fcfs: everything), at
-                    ``max_num_batched_tokens - decodes`` tokens a step
+                    ``max_num_batched_tokens - decodes`` tokens a step; P0 with
+                    express steps: its own backlog alone, ``express_budget``
+                    tokens a step (NOTE(express-prediction))
     slot-bound      with every slot it may use held by its class or higher ones
                     (P0's reserved slots aside), the steps until enough of them
                     finish: each holder's expected remaining output, then the
@@ -30,7 +32,8 @@ The prediction (``predict_ttft``) is a model of the scheduler
 
 plus half a step (it arrives while one is running).  Lower classes hold
 neither slots, blocks nor decode tokens against it (it takes them).  Future arrivals are not
-foreseen; the admission re-predicts at every arrival instead.
+foreseen here; the admission stretches the prediction by the higher classes'
+arrival rate (its NOTE(higher-arrivals)) and re-predicts at every arrival.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ class EngineLoad:
     step_time_per_token: float = 0.0  # seconds per batched token, b
     step_time_per_seq: float = 0.0  # seconds per scheduled sequence, c
     max_num_batched_tokens: int = 512
+    express_budget: int = 0  # tokens of P0 prefill an express step batches (0: no express steps)
     max_num_seqs: int = 64
     seq_limit_by_priority: list[int] | None = None  # slots each class may fill (None: max_num_seqs for all)
     num_decoding: int = 0
@@ -124,6 +128,7 @@ class EngineLoad:
             step_time_per_token=s.step_time_per_token,
             step_time_per_seq=s.step_time_per_seq,
             max_num_batched_tokens=s.max_num_batched_tokens or max_num_batched_tokens,
+            express_budget=s.express_budget,
             max_num_seqs=s.max_num_seqs or max_num_seqs,
             num_decoding=s.num_decoding,
             seq_limit_by_priority=list(s.seq_limit_by_priority) if any(s.seq_limit_by_priority) else None,
@@ -243,10 +248,18 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
     by_class = load.num_decoding_by_priority
     decodes = load.num_decoding if by_class is None else sum(by_class[: c + 1])
     per_step = max(1.0, load.max_num_batched_tokens - decodes)
-    served = _tokens_served_first(load, c, own)
-    steps = max(1, math.ceil(served / per_step))
-    # each prefill step carries the decodes and at least one prefilling sequence
-    prefill_bound = steps * load.step_time(decodes, decodes + 1) + load.step_time_per_token * served
+    if c == Priority.P0 and load.express_budget > 0:
+        # NOTE(express-prediction): P0's prefills run in express steps (the engine's
+        # NOTE(express-step)): no decodes, no other class's prefill, twice the budget;
+        # between two of them the running decodes take a normal step
+        steps = max(1, math.ceil(own / load.express_budget))
+        prefill_bound = (steps * load.step_time(0, 1) + load.step_time_per_token * own
+                         + (steps - 1) * load.step_time(load.num_decoding, load.num_decoding))  # fmt: skip
+    else:
+        served = _tokens_served_first(load, c, own)
+        steps = max(1, math.ceil(served / per_step))
+        # each prefill step carries the decodes and at least one prefilling sequence
+        prefill_bound = steps * load.step_time(decodes, decodes + 1) + load.step_time_per_token * served
     # slots: running and queued requests of this class and higher ones come first
     classes = _slot_classes(c)
     holders = sum(load.num_running_by_priority[classes]) + sum(load.num_waiting_by_priority[classes])

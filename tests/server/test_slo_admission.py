@@ -202,3 +202,42 @@ def test_lower_class_decodes_do_not_count_against_a_higher_class_prefill() -> No
     assert predict_ttft(load, Priority.P0, 40) == pytest.approx(0.01 + 0.04 + half_current_step)
     # p2 prefills beside its own 60 decodes: 4 tokens a step, 10 steps
     assert predict_ttft(load, Priority.P2, 40) == pytest.approx(10 * 0.01 + 0.001 * (40 + 10 * 60) + half_current_step)
+
+
+def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
+    clock = FakeClock()
+    a = controller("p0=1s,p1=2s,p2=0.3s", clock)
+    a.observe_stats(stats())
+    load = a.load()
+    base = predict_ttft(load, Priority.P2, 100)
+    assert a.predict(load, Priority.P2, 100) == pytest.approx(base), "nothing measured yet: the queue alone"
+    for i in range(50):  # 10 s: P0 admitted at 3 req/s and started at once, 4 req/s finished
+        for k in range(3):
+            a.admit(f"p0-{i}-{k}", Priority.P0, 20, 10)
+            a.remove(f"p0-{i}-{k}")
+        for _ in range(4):
+            a.observe_output_tokens(16)
+        clock.now += 0.2
+    assert a.higher_load(Priority.P0) == 0.0, "nothing is above P0"
+    assert a.higher_load(Priority.P2) == pytest.approx(0.75, rel=0.05)
+    load = a.load()
+    assert a.predict(load, Priority.P2, 100) == pytest.approx(predict_ttft(load, Priority.P2, 100) / 0.25, rel=0.1), (
+        "P0 takes 3/4 of the engine while a P2 waits: its wait is four times the queue's"
+    )
+    assert a.predict(load, Priority.P0, 100) == pytest.approx(predict_ttft(load, Priority.P0, 100))
+    assert predict_ttft(a.load(), Priority.P2, 100) < 0.3, "by the queue alone it would be admitted"
+    with pytest.raises(OverloadedError) as e:  # 0.115 s of queue alone, 0.46 s with P0's arrivals
+        a.admit("p2", Priority.P2, 116, 100)
+    assert e.value.code == "slo_unattainable" and a.num_queued == 0, "refused at arrival, not shed later"
+
+
+def test_p0_prediction_counts_express_steps() -> None:
+    load = EngineLoad.from_stats(stats(num_decoding=30, num_decoding_by_priority=[0, 10, 20], express_budget=200,
+                                       max_num_batched_tokens=40, num_prefill_tokens_by_priority=[0, 300, 300]),
+                                 policy="wfq", mean_output_tokens=16, max_num_batched_tokens=40, max_num_seqs=64)  # fmt: skip
+    current = 0.01 + 0.001 * 40
+    with_express = predict_ttft(load, Priority.P0, 100)
+    # one express step of its 100 tokens, no decodes, no other class's prefill beside it
+    assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.1 + 0.5 * current)
+    load.express_budget = 0  # without express steps: 40-token steps next to no decodes of its own class, GPS shares
+    assert predict_ttft(load, Priority.P0, 100) > 1.5 * with_express
