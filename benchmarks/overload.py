@@ -12,8 +12,8 @@ Three servers, one after the other, each measured against its own capacity:
               same weights (``benchmarks/export_hf.py``), from the venv ``--vllm-python``
 
 For each: the lone-request TTFT (median of 6 sequential requests), then the
-capacity (completed requests/s of a closed loop at ``--concurrency``, the
-class mix), then open-loop Poisson arrivals at 0.5x, 1x, 2x, 3x, 5x that
+capacity (completed requests/s of a closed loop at ``--concurrency``, every
+request p2: the full-batch rate, NOTE(full-batch)), then open-loop Poisson arrivals at 0.5x, 1x, 2x, 3x, 5x that
 capacity for ``--step-s`` each: 20% p0 / 30% p1 / 50% p2, prompts of ~10
 words, ``--max-tokens`` (16) output tokens with ignore_eos, streaming.  A
 ``/health`` probe runs every 0.2 s during each step.
@@ -245,8 +245,13 @@ async def lone_ttft(server: Server, max_tokens: int) -> float:
 
 
 async def capacity(server: Server, concurrency: int, seconds: float, max_tokens: int, seed: int) -> float:
-    """Completed requests/s of a closed loop at ``concurrency`` users (the class mix; a 429 backs off 50 ms)."""
-    rng = random.Random(seed)
+    """Completed requests/s of a closed loop at ``concurrency`` users, every request p2 (a 429 backs off 50 ms).
+
+    NOTE(full-batch): p2 only, so that no tight target bounds the server's batch: the
+    capacity is the engine's full-batch rate.  With the class mix, sluice's P0 targets
+    bound its steps (NOTE(row-cap) in sluice.engine.core), its closed-loop rate drops,
+    and every load multiple would be a multiple of that smaller rate.
+    """
     done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         t0 = time.perf_counter()
@@ -258,7 +263,7 @@ async def capacity(server: Server, concurrency: int, seconds: float, max_tokens:
             i = 0
             # a slow server: the window grows (up to 4x) until 2 x concurrency requests completed
             while (now := time.perf_counter()) < t_end or (done < 2 * concurrency and now < t0 + 4 * seconds):
-                r = await send(s, server, 100_000 * k + i, _classes(rng, 1)[0], max_tokens, t0, 120)
+                r = await send(s, server, 100_000 * k + i, 2, max_tokens, t0, 120)
                 if t_warm <= time.perf_counter():
                     done += r.is_served
                 if r.status == 429:
@@ -514,8 +519,9 @@ def main() -> None:
                          f"{r['capacity_rps']:.2f} req/s, targets p0/p1/p2 {tgt} s")  # fmt: skip
         body = (
             "## Overload (`benchmarks/overload.py`)\n\n"
-            f"Open-loop Poisson at 0.5x-5x each server's own capacity (closed loop of {args.concurrency}), "
-            f"{args.step_s:g} s per step, 20% p0 / 30% p1 / 50% p2, ~12-token prompts, {args.max_tokens} output "
+            f"Open-loop Poisson at 0.5x-5x each server's own capacity (closed loop of {args.concurrency}, every "
+            f"request p2: the full-batch rate), {args.step_s:g} s per step, 20% p0 / 30% p1 / 50% p2, ~12-token "
+            f"prompts ending in a colon (the first token is text), {args.max_tokens} output "
             "tokens (ignore_eos), streaming. SLA per class from the server's lone TTFT L: p0 <= 4 L, "
             "p1 <= max(2 s, 10 L), p2 <= max(5 s, 25 L); attainment is the share of *sent* requests served "
             "within it (a 429 is a miss). sluice runs with default settings (no `--slo`); gateway = "
