@@ -401,7 +401,7 @@ async def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]
     print(f"{server.name}: lone TTFT {lone * 1000:.0f} ms, capacity {cap:.2f} req/s; targets "
           + ", ".join(f"{c} {t:.2f}s" for c, t in targets.items()), file=sys.stderr)  # fmt: skip
     steps: dict[str, Any] = {}
-    for k, mult in enumerate(MULTIPLIERS):
+    for k, mult in enumerate(args.loads):
         t = time.monotonic()
         before = await server_sums(server)
         records, health = await load_step(server, mult * cap, args.step_s, args.max_tokens, args.seed + k,
@@ -492,6 +492,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default="sluice,gateway,vllm", help="comma-separated: sluice, gateway, vllm")
     ap.add_argument("--step-s", type=float, default=60.0, help="seconds per load step")
+    ap.add_argument("--loads", type=lambda v: tuple(float(x) for x in v.split(",")), default=MULTIPLIERS,
+                    help="comma-separated multiples of the capacity, e.g. 1,3 (default 0.5,1,2,3,5)")
     ap.add_argument("--calibrate-s", type=float, default=20.0, help="seconds of the closed capacity loop")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop users (= the servers' max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=16)

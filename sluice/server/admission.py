@@ -7,7 +7,8 @@ timing out:
 1. Predicted wait (``sluice.server.slo``): from the engine's last stats, the
    requests sent since, and the measured step time, predict the new request's
    TTFT.  Over its class's target, the newest queued requests of strictly
-   lower classes are shed (lowest class first) if that brings it within
+   lower classes (for P1 only those queued a moment ago, NOTE(young-victims))
+   are shed (lowest class first) if that brings it within
    target; otherwise the new request gets 429 with a ``Retry-After`` of the
    predicted excess, jittered.
 2. A hard bound in requests (``max_queued_requests``) and tokens
@@ -18,6 +19,14 @@ NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits;
 shedding newest-first keeps the oldest P2 requests' queueing investment.
 Shedding is all or nothing: if shedding every lower-class request would not
 make room, nobody is shed.
+
+NOTE(young-victims): to make room for a P1 request by its prediction, only
+lower-class requests queued less than ``SHED_MAX_AGE_S`` are shed: one that has
+waited longer keeps its place (it is served, perhaps late), because a 429 after
+seconds of queueing wastes the wait and comes too late for a retry elsewhere
+(a shed request is answered within ~50 ms).  If the young ones do not make
+room, the P1 request is refused at once.  A P0 request may still shed any
+queued lower-class request (NOTE(shed-lowest-first)), as may the hard bound.
 
 NOTE(higher-arrivals): the prediction counts what is queued now, but while a
 request of class c waits, requests of higher classes keep arriving and are
@@ -52,6 +61,7 @@ __all__ = ["AdmissionController", "Decision"]
 
 _EWMA = 0.1  # weight of a new sample in the measured means
 RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
+SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 
 
@@ -250,7 +260,9 @@ class AdmissionController:
         predicted = self.predict(load, priority, prompt)
         if predicted <= target:
             return victims, predicted, target
-        rest = [e for e in lower if e not in victims]
+        now = self._clock()
+        rest = [e for e in lower if e not in victims
+                and (priority == Priority.P0 or now - e.submitted_at <= SHED_MAX_AGE_S)]  # NOTE(young-victims)
         best = EngineLoad(**{**load.__dict__, "num_waiting_by_priority": list(load.num_waiting_by_priority),
                              "num_prefill_tokens_by_priority": list(load.num_prefill_tokens_by_priority)})  # fmt: skip
         for e in rest:

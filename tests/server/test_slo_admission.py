@@ -114,6 +114,25 @@ def test_p0_sheds_just_enough_queued_p2_newest_first() -> None:
     assert d.predicted_ttft == pytest.approx(0.185) and a.num_queued == 2
 
 
+def test_p1_sheds_only_requests_queued_a_moment_ago_p0_any() -> None:
+    clock = FakeClock()
+    a = controller("p0=0.2s,p1=0.2s", clock)
+    a.observe_stats(stats())
+    for i in range(3):
+        a.admit(f"p2-{i}", Priority.P2, 116, 100)
+    clock.now += 1.0  # they have queued a second: a 429 now would waste it
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p1", Priority.P1, 101, 100)  # 0.285 s with them, and they may not be shed for it
+    assert e.value.code == "slo_unattainable" and a.num_queued == 3, "refused at once, nobody shed"
+    a.admit("p2-young", Priority.P2, 116, 100)
+    clock.now += 0.005
+    # p2-young sheds alone: 4 queued p2 -> 0.335 s; without it 0.285 s, still over 0.2 s
+    with pytest.raises(OverloadedError):
+        a.admit("p1", Priority.P1, 101, 100)
+    d = a.admit("p0", Priority.P0, 101, 100)  # P0 goes first over any queued lower-class request
+    assert d.shed == ["p2-young", "p2-2", "p2-1"] and d.predicted_ttft is not None and d.predicted_ttft <= 0.2
+
+
 def test_nobody_is_shed_when_shedding_all_lower_classes_would_not_help() -> None:
     clock = FakeClock()
     a = controller("p1=0.05s", clock)
