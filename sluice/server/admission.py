@@ -33,10 +33,13 @@ request of class c waits, requests of higher classes keep arriving and are
 served first: a lower-class request admitted on today's queue is later shed
 from the queue (a slow 429) or misses its target.  So the prediction of class
 c is divided by ``1 - rho``, where ``rho`` is the admitted arrival rate of the
-classes above c over the engine's measured completion rate (both exponentially
-weighted over ``RATE_WINDOW_S``): the wait of a preemptive priority queue.
-With ``rho`` near 1 the higher classes take the whole engine and the request is
-refused at once.  P0 has nothing above it.
+classes above c over the engine's capacity: the wait of a preemptive priority
+queue.  The capacity is the measured completion rate per second of engine
+work (the step times the stats report, all exponentially weighted over
+``RATE_WINDOW_S``), not the completion rate itself: on a lightly loaded engine
+that only echoes the arrivals, and a P1 request after a few P0 ones would see
+``rho`` = 1 on an idle engine.  With ``rho`` near 1 the higher classes take
+the whole engine and the request is refused at once.  P0 has nothing above it.
 
 NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
 2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
@@ -77,8 +80,8 @@ class _Rate:
     def read(self, now: float) -> float:
         return 0.0 if self.at is None else self.value * math.exp(-max(0.0, now - self.at) / RATE_WINDOW_S)
 
-    def tick(self, now: float) -> None:
-        self.value = self.read(now) + 1.0 / RATE_WINDOW_S
+    def tick(self, now: float, amount: float = 1.0) -> None:
+        self.value = self.read(now) + amount / RATE_WINDOW_S
         self.at = now
 
 
@@ -134,6 +137,8 @@ class AdmissionController:
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
         self._admitted = [_Rate() for _ in Priority]  # admitted requests/s by class
         self._completed = _Rate()  # finished requests/s
+        self._busy = _Rate()  # seconds of engine steps per second
+        self._busy_since: float | None = None  # the first stats: when the busy rate started counting
 
     @property
     def num_queued(self) -> int:
@@ -146,6 +151,11 @@ class AdmissionController:
     # ------------------------------------------------------------ measurements
 
     def observe_stats(self, stats: EngineStats) -> None:
+        prev = self._stats
+        if self._busy_since is None:
+            self._busy_since = self._clock()
+        if prev is not None and stats.num_steps > prev.num_steps:  # (a restarted engine counts from 0 again)
+            self._busy.tick(self._clock(), (stats.num_steps - prev.num_steps) * stats.step_time)
         self._stats = stats
         self._stats_at = self._clock()
 
@@ -158,13 +168,17 @@ class AdmissionController:
 
     def higher_load(self, priority: int) -> float:
         """``rho`` of NOTE(higher-arrivals): the classes above ``priority``'s admitted rate over the
-        completion rate (0 while either is unmeasured), at most ``MAX_HIGHER_LOAD``."""
+        engine's capacity, requests finished per second of engine work (0 while unmeasured), at
+        most ``MAX_HIGHER_LOAD``."""
         now = self._clock()
-        mu = self._completed.read(now)
+        done, busy = self._completed.read(now), self._busy.read(now)
         lam = sum(self._admitted[k].read(now) for k in range(int(priority)))
-        if mu <= 0.0 or lam <= 0.0:
+        if done <= 0.0 or busy <= 0.0 or lam <= 0.0 or self._busy_since is None:
             return 0.0
-        return min(MAX_HIGHER_LOAD, lam / mu)
+        # the busy fraction: busy seconds over the (exponentially weighted) seconds observed
+        observed = 1.0 - math.exp(-max(0.0, now - self._busy_since) / RATE_WINDOW_S)
+        utilization = min(1.0, busy / observed) if observed > 0.0 else 0.0
+        return min(MAX_HIGHER_LOAD, lam / done * utilization)
 
     def predict(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the

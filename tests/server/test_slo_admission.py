@@ -230,13 +230,14 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     load = a.load()
     base = predict_ttft(load, Priority.P2, 100)
     assert a.predict(load, Priority.P2, 100) == pytest.approx(base), "nothing measured yet: the queue alone"
-    for i in range(50):  # 10 s: P0 admitted at 3 req/s and started at once, 4 req/s finished
+    for i in range(50):  # 10 s: P0 admitted at 3 req/s and started at once, 4 req/s finished, the engine always busy
         for k in range(3):
             a.admit(f"p0-{i}-{k}", Priority.P0, 20, 10)
             a.remove(f"p0-{i}-{k}")
         for _ in range(4):
             a.observe_output_tokens(16)
         clock.now += 0.2
+        a.observe_stats(stats(num_steps=4 * (i + 1), step_time=0.05))  # four 50-ms steps in those 0.2 s
     assert a.higher_load(Priority.P0) == 0.0, "nothing is above P0"
     assert a.higher_load(Priority.P2) == pytest.approx(0.75, rel=0.05)
     load = a.load()
@@ -248,6 +249,23 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     with pytest.raises(OverloadedError) as e:  # 0.115 s of queue alone, 0.46 s with P0's arrivals
         a.admit("p2", Priority.P2, 116, 100)
     assert e.value.code == "slo_unattainable" and a.num_queued == 0, "refused at arrival, not shed later"
+
+
+def test_higher_classes_on_a_lightly_loaded_engine_do_not_stretch_a_lower_class() -> None:
+    # every finished request was a P0 one, but the engine worked 0.1 s of each second: rho is 0.1, not 1
+    clock = FakeClock()
+    a = controller("p0=1s,p1=0.2s,p2=5s", clock)
+    for i in range(20):
+        a.admit(f"p0-{i}", Priority.P0, 20, 10)
+        a.remove(f"p0-{i}")
+        a.observe_output_tokens(16)
+        a.observe_stats(stats(num_steps=2 * (i + 1), step_time=0.05))
+        clock.now += 1.0
+    assert a.higher_load(Priority.P1) == pytest.approx(0.1, rel=0.15)  # (measured once a second: within 15%)
+    load = a.load()
+    assert a.predict(load, Priority.P1, 100) == pytest.approx(predict_ttft(load, Priority.P1, 100) / 0.9, rel=0.02)
+    a.admit("p1", Priority.P1, 116, 100)  # 0.115 s by the queue, 0.13 s with P0's arrivals: within 0.2 s
+    assert a.num_queued == 1
 
 
 def test_p0_prediction_counts_express_steps() -> None:
