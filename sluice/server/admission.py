@@ -41,6 +41,16 @@ that only echoes the arrivals, and a P1 request after a few P0 ones would see
 ``rho`` = 1 on an idle engine.  With ``rho`` near 1 the higher classes take
 the whole engine and the request is refused at once.  P0 has nothing above it.
 
+NOTE(overdue): the prediction is a mean; a lower-class request admitted on it
+can still be pushed back by the higher classes' arrivals for far longer (P2
+served after 30-60 s at 2-3x load, some past a client's 60 s timeout).  A
+queued request of a class below P0 that has waited ``OVERDUE_FACTOR`` times its
+class's target without a first token has missed its target for good; it is
+shed (429, ``code: expired``, a jittered ``Retry-After``) rather than left to
+take engine time from requests that can still make theirs, or to hang until
+the client gives up.  P0 is never shed this way.  ``overdue`` sweeps the queue
+at most every ``OVERDUE_SWEEP_S``.
+
 NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
 2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
 times U(1, 1.5), plus U(0, 1) s, so retries spread over the time the queue
@@ -65,6 +75,8 @@ __all__ = ["AdmissionController", "Decision"]
 _EWMA = 0.1  # weight of a new sample in the measured means
 RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
+OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
+OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 
 
@@ -93,6 +105,7 @@ class _Entry:
     num_prompt_tokens: int  # prompt tokens to prefill, all choices
     seq: int  # admission order
     submitted_at: float  # clock time
+    target: float | None = None  # its class's TTFT target (None: no predicted-wait admission)
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,7 @@ class AdmissionController:
         self._completed = _Rate()  # finished requests/s
         self._busy = _Rate()  # seconds of engine steps per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
+        self._swept_at = float("-inf")
 
     @property
     def num_queued(self) -> int:
@@ -259,7 +273,7 @@ class AdmissionController:
             self.remove(e.key)
         self._seq += 1
         now = self._clock()
-        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now)
+        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now, target)
         self._num_tokens += num_tokens
         self._admitted[priority].tick(now)
         return Decision([e.key for e in victims], predicted, target)
@@ -296,6 +310,20 @@ class AdmissionController:
             if predicted <= target:
                 break
         return victims, predicted, target
+
+    def overdue(self) -> list[str]:
+        """Remove and return the queued requests below P0 that waited ``OVERDUE_FACTOR`` times their
+        target (NOTE(overdue)); the caller answers them with 429."""
+        now = self._clock()
+        if now - self._swept_at < OVERDUE_SWEEP_S:
+            return []
+        self._swept_at = now
+        keys = [e.key for e in self._queued.values()
+                if e.priority != Priority.P0 and e.target is not None
+                and now - e.submitted_at > OVERDUE_FACTOR * e.target]  # fmt: skip
+        for k in keys:
+            self.remove(k)
+        return keys
 
     def remove(self, key: str) -> None:
         """The request started (first output), finished, or went away."""

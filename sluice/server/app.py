@@ -135,6 +135,9 @@ def build_app(
     def _on_stats(stats: EngineStats) -> None:
         metrics.observe_stats(stats)
         admission.observe_stats(stats)
+        st = state_box.get("state")
+        if st is not None and st.serving is not None:
+            st.serving.shed_overdue()
 
     engine_config = settings.engine
     if placement is not None or settings.pyroscope_server:

@@ -191,6 +191,7 @@ class OpenAIServing:
         self.rate_limiter.check(ctx.key, num_tokens)
         num_prompt_tokens = sum(len(p) * n for p in prep.prompts)
         label = ctx.priority.label
+        self.shed_overdue()
         try:
             decision = self.admission.admit(ctx.uid, ctx.priority, num_tokens, num_prompt_tokens)
         except OverloadedError as e:
@@ -253,18 +254,26 @@ class OpenAIServing:
         self.metrics.queued.set(self.admission.num_queued)
         return gen
 
-    def _shed(self, request_id: str) -> None:
+    def shed_overdue(self) -> None:
+        """Answer with 429 the queued requests that waited far past their class's target
+        (NOTE(overdue) in admission); called at each arrival and each engine step."""
+        for request_id in self.admission.overdue():
+            self._shed(request_id, "no first token after twice its class's TTFT target: shed behind "
+                                   "higher-priority work", "expired")  # fmt: skip
+
+    def _shed(
+        self,
+        request_id: str,
+        message: str = "shed by admission control to make room for a higher-priority request",
+        code: str = "shed",
+    ) -> None:
         gen = self.inflight.get(request_id)
         if gen is None:
             return
         gen.close()
-        self.metrics.observe_rejected(gen.priority_label, "shed")
+        self.metrics.observe_rejected(gen.priority_label, code)
         gen.stream.fail(
-            OverloadedError(
-                "shed by admission control to make room for a higher-priority request",
-                retry_after=self.admission.jittered(self.admission.retry_after),
-                code="shed",
-            )
+            OverloadedError(message, retry_after=self.admission.jittered(self.admission.retry_after), code=code)
         )
 
     def _choice_done(self, ctx: RequestContext, c: Choice, label: str) -> None:

@@ -32,7 +32,7 @@ SLO admission (issue 11; ``sluice.server.admission``)::
     sluice_slo_ttft_target_seconds{priority}           gauge: its class's TTFT target (mean prompt)
     sluice_admission_predicted_ttft_seconds{priority}  histogram: the prediction each admitted request got
     sluice_ttft_prediction_error_seconds{priority}     histogram: measured - predicted TTFT (signed)
-    sluice_admission_rejected_total{priority,reason}   counter: 429s; reason = slo_unattainable | queue_full | shed
+    sluice_admission_rejected_total{priority,reason}   counter: 429s; reason = slo_unattainable | queue_full | shed | expired
     sluice_slo_requests_total{priority}                counter: finished HTTP requests (served, shed, failed)
     sluice_slo_attained_total{priority}                counter: ... of them served within the class's target
     sluice_engine_step_time_base_seconds               gauge: fitted fixed cost of an engine step

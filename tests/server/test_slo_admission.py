@@ -19,6 +19,7 @@ from sluice.http_errors import retry_after_header
 from sluice.server.admission import AdmissionController
 from sluice.server.slo import EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
+from tests.server.conftest import until
 
 
 class FakeClock:
@@ -278,3 +279,52 @@ def test_p0_prediction_counts_express_steps() -> None:
     assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.1 + 0.5 * current)
     load.express_budget = 0  # without express steps: 40-token steps next to no decodes of its own class, GPS shares
     assert predict_ttft(load, Priority.P0, 100) > 1.5 * with_express
+
+
+def test_overdue_lower_class_requests_are_shed_p0_never() -> None:
+    clock = FakeClock()
+    a = controller("p0=0.1s,p1=0.5s,p2=1s", clock)
+    a.observe_stats(stats())
+    for key, prio in (("p0", Priority.P0), ("p1", Priority.P1), ("p2", Priority.P2)):
+        assert a.admit(key, prio, 20, 4).target is not None
+    clock.now += 0.9
+    assert a.overdue() == [], "nobody has waited twice their target"
+    clock.now += 0.2  # 1.1 s: p1 over 2 x 0.5 s, p2 not yet over 2 x 1 s; p0 is never shed for its age
+    assert a.overdue() == ["p1"] and a.num_queued == 2
+    clock.now += 0.01
+    a.admit("p1-late", Priority.P1, 20, 4)
+    clock.now += 5.0
+    assert a.overdue() == ["p2", "p1-late"] and a.num_queued == 1
+    assert a.overdue() == [], "swept at most every 50 ms"
+
+
+async def test_an_admitted_request_pushed_back_by_higher_classes_gets_429_not_a_hang(server_factory) -> None:
+    # one slot, 50-ms steps; a p2 admitted behind a p1 finishing in ~0.75 s (within its 1 s target) loses the
+    # slot to a second p1 (1.5 s): it is answered with 429 once it has waited 2 x 1 s, not after 2.3 s or more
+    srv = server_factory(step_delay=0.05, max_num_seqs=1, slo="p1=5s,p2=1s")
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+
+        async def go(priority: str, tokens: int) -> httpx.Response:
+            return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": tokens}, headers={"x-priority": priority})
+
+        first = asyncio.create_task(go("p1", 15))
+        deadline = time.monotonic() + 10
+        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        p2 = asyncio.create_task(go("p2", 2))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(go("p1", 30))
+        r = await p2
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 429 and r.json()["error"]["code"] == "expired", r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert 2.0 <= elapsed < 2.25, f"answered when it had waited 2 x its 1 s target, took {elapsed:.2f} s"
+        assert not second.done(), "the second p1 still holds the slot: the p2 was not served"
+        assert (await first).status_code == 200 and (await second).status_code == 200
+        text = (await c.get("/metrics")).text
+        assert srv.state.admission.num_queued == 0
+        assert await until(lambda: srv.state.client.stats.num_waiting + srv.state.client.stats.num_running == 0), (
+            "the shed request was aborted in the engine"
+        )
+    assert 'sluice_admission_rejected_total{priority="p2",reason="expired"} 1.0' in text
