@@ -41,6 +41,12 @@ that only echoes the arrivals, and a P1 request after a few P0 ones would see
 ``rho`` = 1 on an idle engine.  With ``rho`` near 1 the higher classes take
 the whole engine and the request is refused at once.  P0 has nothing above it.
 
+NOTE(refused-above): shedding goes lowest class first, so while a higher
+class is being refused for its predicted wait (within ``REFUSED_ABOVE_S``), a
+lower-class request is refused too, whatever its own prediction says: the
+higher classes alone fill the engine, and a lower-class request admitted in a
+gap of the queue is pushed back behind them until it is overdue.
+
 NOTE(overdue): the prediction is a mean; a lower-class request admitted on it
 can still be pushed back by the higher classes' arrivals for far longer (P2
 served after 30-60 s at 2-3x load, some past a client's 60 s timeout).  A
@@ -77,6 +83,7 @@ RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rate
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
+REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 
 
@@ -153,6 +160,7 @@ class AdmissionController:
         self._busy = _Rate()  # seconds of engine steps per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
         self._swept_at = float("-inf")
+        self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
 
     @property
     def num_queued(self) -> int:
@@ -283,12 +291,20 @@ class AdmissionController:
     ) -> tuple[list[_Entry], float, float]:
         target = self.target(priority, prompt, load)
         assert target is not None
+        now = self._clock()
+        above = [p for p in Priority if p < priority and now - self._refused_at[p] < REFUSED_ABOVE_S]
+        if above:  # NOTE(refused-above)
+            raise OverloadedError(
+                f"{above[-1].label} requests are being refused for their predicted wait; "
+                f"a {priority.label} request is refused with them; retry later",
+                retry_after=self.jittered(self.retry_after),
+                code="slo_unattainable",
+            )
         for e in victims:
             load.add(e.priority, e.num_prompt_tokens, -1)
         predicted = self.predict(load, priority, prompt)
         if predicted <= target:
             return victims, predicted, target
-        now = self._clock()
         rest = [e for e in lower if e not in victims
                 and (priority == Priority.P0 or now - e.submitted_at <= SHED_MAX_AGE_S)]  # NOTE(young-victims)
         best = EngineLoad(**{**load.__dict__, "num_waiting_by_priority": list(load.num_waiting_by_priority),
@@ -297,6 +313,7 @@ class AdmissionController:
             best.add(e.priority, e.num_prompt_tokens, -1)
         best_case = self.predict(best, priority, prompt)
         if best_case > target:
+            self._refused_at[priority] = now
             raise OverloadedError(
                 f"predicted time to first token {predicted:.2f} s is over the {priority.label} target "
                 f"of {target:.2f} s; retry later",

@@ -125,6 +125,7 @@ def test_p1_sheds_only_requests_queued_a_moment_ago_p0_any() -> None:
     with pytest.raises(OverloadedError) as e:
         a.admit("p1", Priority.P1, 101, 100)  # 0.285 s with them, and they may not be shed for it
     assert e.value.code == "slo_unattainable" and a.num_queued == 3, "refused at once, nobody shed"
+    clock.now += 1.0  # the p1 refusal is 1 s old: p2 is admitted again (NOTE(refused-above))
     a.admit("p2-young", Priority.P2, 116, 100)
     clock.now += 0.005
     # p2-young sheds alone: 4 queued p2 -> 0.335 s; without it 0.285 s, still over 0.2 s
@@ -279,6 +280,22 @@ def test_p0_prediction_counts_express_steps() -> None:
     assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.1 + 0.5 * current)
     load.express_budget = 0  # without express steps: 40-token steps next to no decodes of its own class, GPS shares
     assert predict_ttft(load, Priority.P0, 100) > 1.5 * with_express
+
+
+def test_while_a_higher_class_is_refused_a_lower_class_is_refused_too() -> None:
+    clock = FakeClock()
+    a = controller("p0=1s,p1=0.2s,p2=100s", clock)
+    a.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, 300, 0]))
+    with pytest.raises(OverloadedError):  # behind 300 p1 tokens: ~0.5 s, over 0.2 s
+        a.admit("p1", Priority.P1, 116, 100)
+    assert predict_ttft(a.load(), Priority.P2, 100) < 100, "by its own prediction the p2 would be admitted"
+    clock.now += 0.9
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p2", Priority.P2, 116, 100)
+    assert e.value.code == "slo_unattainable" and "p1 requests are being refused" in str(e.value)
+    assert a.admit("p0", Priority.P0, 116, 100).target == 1.0, "a higher class is not held back by a lower one"
+    clock.now += 0.2  # the p1 refusal is 1.1 s old
+    assert a.admit("p2", Priority.P2, 116, 100).predicted_ttft is not None
 
 
 def test_overdue_lower_class_requests_are_shed_p0_never() -> None:
