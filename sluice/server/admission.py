@@ -35,8 +35,8 @@ from the queue (a slow 429) or misses its target.  So the prediction of class
 c is divided by ``1 - rho``, where ``rho`` is the admitted arrival rate of the
 classes above c over the engine's capacity: the wait of a preemptive priority
 queue.  The capacity is the measured completion rate per second of engine
-work (the step times the stats report, all exponentially weighted over
-``RATE_WINDOW_S``), not the completion rate itself: on a lightly loaded engine
+work (time with requests in the engine, between its stats messages; all
+exponentially weighted over ``RATE_WINDOW_S``), not the completion rate itself: on a lightly loaded engine
 that only echoes the arrivals, and a P1 request after a few P0 ones would see
 ``rho`` = 1 on an idle engine.  With ``rho`` near 1 the higher classes take
 the whole engine and the request is refused at once.  P0 has nothing above it.
@@ -157,7 +157,7 @@ class AdmissionController:
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
         self._admitted = [_Rate() for _ in Priority]  # admitted requests/s by class
         self._completed = _Rate()  # finished requests/s
-        self._busy = _Rate()  # seconds of engine steps per second
+        self._busy = _Rate()  # seconds with work in the engine, per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
@@ -173,13 +173,14 @@ class AdmissionController:
     # ------------------------------------------------------------ measurements
 
     def observe_stats(self, stats: EngineStats) -> None:
-        prev = self._stats
+        prev, now = self._stats, self._clock()
         if self._busy_since is None:
-            self._busy_since = self._clock()
-        if prev is not None and stats.num_steps > prev.num_steps:  # (a restarted engine counts from 0 again)
-            self._busy.tick(self._clock(), (stats.num_steps - prev.num_steps) * stats.step_time)
+            self._busy_since = now
+        if prev is not None and prev.num_running + prev.num_waiting + prev.num_loading > 0:
+            # the engine had work all the time since the last stats (steps, and what it does between them)
+            self._busy.tick(now, min(now - self._stats_at, RATE_WINDOW_S))
         self._stats = stats
-        self._stats_at = self._clock()
+        self._stats_at = now
 
     def observe_output_tokens(self, num_generated: int) -> None:
         if self._num_finished == 0:  # the first measurement replaces the guess
@@ -190,7 +191,7 @@ class AdmissionController:
 
     def higher_load(self, priority: int) -> float:
         """``rho`` of NOTE(higher-arrivals): the classes above ``priority``'s admitted rate over the
-        engine's capacity, requests finished per second of engine work (0 while unmeasured), at
+        engine's capacity, requests finished per second with work in the engine (0 while unmeasured), at
         most ``MAX_HIGHER_LOAD``."""
         now = self._clock()
         done, busy = self._completed.read(now), self._busy.read(now)

@@ -239,7 +239,7 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
         for _ in range(4):
             a.observe_output_tokens(16)
         clock.now += 0.2
-        a.observe_stats(stats(num_steps=4 * (i + 1), step_time=0.05))  # four 50-ms steps in those 0.2 s
+        a.observe_stats(stats(num_running=3))  # work in the engine all the time
     assert a.higher_load(Priority.P0) == 0.0, "nothing is above P0"
     assert a.higher_load(Priority.P2) == pytest.approx(0.75, rel=0.05)
     load = a.load()
@@ -254,15 +254,17 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
 
 
 def test_higher_classes_on_a_lightly_loaded_engine_do_not_stretch_a_lower_class() -> None:
-    # every finished request was a P0 one, but the engine worked 0.1 s of each second: rho is 0.1, not 1
+    # every finished request was a P0 one, but the engine had work 0.1 s of each second: rho is 0.1, not 1
     clock = FakeClock()
     a = controller("p0=1s,p1=0.2s,p2=5s", clock)
     for i in range(20):
         a.admit(f"p0-{i}", Priority.P0, 20, 10)
         a.remove(f"p0-{i}")
         a.observe_output_tokens(16)
-        a.observe_stats(stats(num_steps=2 * (i + 1), step_time=0.05))
-        clock.now += 1.0
+        a.observe_stats(stats(num_running=1))
+        clock.now += 0.1
+        a.observe_stats(stats())  # done, idle for 0.9 s
+        clock.now += 0.9
     assert a.higher_load(Priority.P1) == pytest.approx(0.1, rel=0.15)  # (measured once a second: within 15%)
     load = a.load()
     assert a.predict(load, Priority.P1, 100) == pytest.approx(predict_ttft(load, Priority.P1, 100) / 0.9, rel=0.02)
