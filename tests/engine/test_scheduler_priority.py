@@ -299,6 +299,7 @@ def test_engine_takes_an_express_step_for_a_p0_among_many_decodes(tiny_llama: Pa
         engine.add_request(EngineRequest(request_id=f"p2-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY, priority=2))
     for _ in range(3):
         engine.step()
+    engine.step_model = StepTimeModel()  # only the known rates below: the real steps' times vary with the machine
     for n, q in ((16, 16), (200, 4), (12, 12), (64, 2)) * 4:
         engine.step_model.observe(n, 0.002 + 0.0001 * n + 0.001 * q, q)  # a = 2 ms, b = 0.1 ms / token, c = 1 ms / seq
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
@@ -421,6 +422,7 @@ def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama:
         engine.add_request(EngineRequest(request_id=f"p2-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY, priority=2))
     for _ in range(3):
         engine.step()
+    engine.step_model = StepTimeModel()  # only the known rates below: the real steps' times vary with the machine
     for n, q in ((16, 16), (200, 4), (12, 12), (64, 2)) * 4:
         engine.step_model.observe(n, 0.01 + 0.001 * n, q)  # a = 10 ms, b = 1 ms / token: a decode row is cheap
     for i in range(4):
