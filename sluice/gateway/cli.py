@@ -55,6 +55,7 @@ def gateway(given: dict[str, Any]) -> None:
     import uvicorn
 
     from sluice.gateway.app import build_app
+    from sluice.obs.heap import freeze_startup_heap
 
     cfg, log_level = build_config(given)
     provider = None
@@ -69,6 +70,7 @@ def gateway(given: dict[str, Any]) -> None:
         f"listening on http://{cfg.host}:{cfg.port}",
         err=True,
     )
+    freeze_startup_heap("gateway")  # NOTE(gc-freeze)
     uvicorn.run(
         app_,
         host=cfg.host,

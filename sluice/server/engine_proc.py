@@ -35,6 +35,7 @@ from sluice.engine.protocol import (
     LoRALoadRecord,
 )
 from sluice.errors import InvalidRequestError, ModelLoadError, SluiceError
+from sluice.obs.heap import freeze_startup_heap
 from sluice.server.engine_setup import StepProfiler, profile_control
 from sluice.server.ipc import Decoders, Kind, encode
 
@@ -82,6 +83,7 @@ def run_engine_core(
         push.send_multipart(encode(Kind.ERROR, EngineError.from_exception(err)))
         push.close()
         sys.exit(3)
+    freeze_startup_heap("engine")  # NOTE(gc-freeze) in sluice.obs.heap: the model's modules, not walked each step
     push.send_multipart(encode(Kind.READY, engine.model_info))
     _publish_stats(push, engine)  # gauges and /admin/kv are right before the first request
 

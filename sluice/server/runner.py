@@ -23,6 +23,7 @@ import uvicorn
 
 from sluice.engine.config import ModelInfo
 from sluice.errors import ConfigError
+from sluice.obs.heap import freeze_startup_heap
 from sluice.obs.logging import configure_logging
 from sluice.obs.placement import Placement, apply_placement, plan_placement
 from sluice.obs.topology import read_topology
@@ -105,6 +106,7 @@ def run_server(
     loop_box: dict[str, asyncio.AbstractEventLoop] = {}
 
     def on_ready(info: ModelInfo) -> None:
+        freeze_startup_heap("api")  # NOTE(gc-freeze)
         name = settings.served_model_name or info.name
         print(
             f"sluice serve: model {name} ({info.path}), dtype {info.dtype} on {info.device}, "
