@@ -11,6 +11,7 @@ the 2 shared cores make single steps jitter).  The median error is printed.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -111,9 +112,17 @@ def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir:
     # during one run (another process on the 2 cores) can move most of a wave's TTFTs past
     # "3 steps"; on an AMD EPYC session 1-2 runs in 3 missed the bound that way.  The
     # bound must hold in one of three runs (a systematically wrong prediction fails all three).
+    # The collector is off while measuring: in the full suite this process holds every earlier
+    # test's objects, and one full collection (~0.4 s) inside a wave is the test process's
+    # pause, not the engine's (the server's processes freeze their start-up heap, NOTE(gc-freeze)).
     messages = []
     for attempt in range(3):
-        within, total, message = _measure(tiny_model_dir, attempt)
+        gc.collect()
+        gc.disable()
+        try:
+            within, total, message = _measure(tiny_model_dir, attempt)
+        finally:
+            gc.enable()
         if within >= 0.75 * total:
             return
         messages.append(message)
