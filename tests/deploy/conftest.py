@@ -1,5 +1,5 @@
 """A live stack for the drift tests: a real ``sluice serve`` (SmolLM2, small KV
-cache) and a real ``sluice gateway`` in front of it, started once per session,
+cache) and a real ``sluice gateway`` in front of it, started once for this package,
 with a few requests of each class sent through so that counters have samples.
 
 The gateway's config is ``deploy/gateway.yaml`` with its replica URLs pointed at
@@ -83,7 +83,7 @@ def gateway_test_config(serve_url: str) -> dict:
     return cfg
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after tests/deploy, not left idling through the rest of the suite
 def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     tmp = tmp_path_factory.mktemp("live_stack")
     port = free_port()

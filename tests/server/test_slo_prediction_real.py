@@ -11,10 +11,13 @@ the 2 shared cores make single steps jitter).  The median error is printed.
 
 from __future__ import annotations
 
-import gc
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,22 +110,34 @@ def _measure(tiny_model_dir: str, seed: int) -> tuple[int, int, str]:
     )
 
 
+def _measure_in_a_fresh_process(tiny_model_dir: str, seed: int) -> tuple[int, int, str]:
+    """``_measure`` in its own interpreter, as the engine runs in its own process in production.
+
+    In the full suite this test process holds every earlier test's heap, threads and
+    allocator state; on an AMD EPYC session that made 0.3-0.5 s pauses inside the
+    measured waves (all three runs failed there, none when this file ran alone), pauses
+    of the test process rather than of the engine.  A fresh interpreter measures the engine.
+    """
+    code = ("import json, sys; from tests.server.test_slo_prediction_real import _measure; "
+            "print(json.dumps(_measure(sys.argv[1], int(sys.argv[2]))))")  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code, tiny_model_dir, str(seed)], cwd=root, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, f"the measuring process failed:\n{out.stderr[-3000:]}"
+    lines = out.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]))
+    within, total, message = json.loads(lines[-1])
+    return int(within), int(total), str(message)
+
+
 def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir: str) -> None:
     # NOTE(jitter-retry): steps here are ~1-2 ms, so a burst of the shared cores' jitter
     # during one run (another process on the 2 cores) can move most of a wave's TTFTs past
     # "3 steps"; on an AMD EPYC session 1-2 runs in 3 missed the bound that way.  The
     # bound must hold in one of three runs (a systematically wrong prediction fails all three).
-    # The collector is off while measuring: in the full suite this process holds every earlier
-    # test's objects, and one full collection (~0.4 s) inside a wave is the test process's
-    # pause, not the engine's (the server's processes freeze their start-up heap, NOTE(gc-freeze)).
     messages = []
     for attempt in range(3):
-        gc.collect()
-        gc.disable()
-        try:
-            within, total, message = _measure(tiny_model_dir, attempt)
-        finally:
-            gc.enable()
+        within, total, message = _measure_in_a_fresh_process(tiny_model_dir, attempt)
         if within >= 0.75 * total:
             return
         messages.append(message)
