@@ -127,6 +127,9 @@ class EngineConfig:
     express_steps: bool = field(default=True, metadata=setting(
         "Run a waiting P0 request's prefill in a step of its own, without the running decodes, when that "
         "step is much shorter (P0's time to first token: the rest of the running step plus a short one)."))
+    express_mid_step: bool = field(default=True, metadata=setting(
+        "Let an express step start between two layers of the running step when a P0 request arrives, "
+        "instead of after it (engine core process only)."))
     attention_backend: str | None = field(default=None, metadata=setting(
         "Attention kernel (default: the best available, see `sluice doctor`).", choices=ATTENTION_BACKENDS))
     enable_prefix_caching: bool = field(default=True, metadata=setting(

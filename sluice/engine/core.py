@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from sluice.engine.step_model import StepTimeModel
 from sluice.engine.validation import validate_request
 from sluice.errors import ConfigError, InvalidRequestError, ModelLoadError, SluiceError
 from sluice.models.loader import ModelSource, resolve_model
+from sluice.types import Priority
 
 __all__ = ["EngineCore"]
 
@@ -47,6 +48,7 @@ MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slot
 EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
 EXPRESS_SHARE = 0.7  # ... and while express steps took less than this share of the recent step time
 EXPRESS_DECAY = 0.97  # per step: the memory of that share (~30 steps, about a second: a burst of P0s passes)
+MID_STEP_POLL_S = 0.002  # between layers, look for arrivals at most this often (NOTE(mid-step-express))
 
 
 class EngineCore:
@@ -99,6 +101,12 @@ class EngineCore:
         self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
         self._express_time = [0.0, 0.0]  # decayed seconds of recent steps: express, all
         self.num_express_steps = 0
+        self.num_mid_step_express = 0  # express steps run between two layers of another step
+        self._arrivals: Callable[[], None] | None = None  # NOTE(mid-step-express): set_arrivals()
+        self._publish: Callable[[list[EngineOutput]], None] | None = None
+        self._mid_step_time = 0.0  # seconds the step in flight spent in nested express steps
+        self._last_poll = 0.0
+        self._step_budget: int | None = None  # the step in flight's token budget
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -167,6 +175,17 @@ class EngineCore:
 
     # ------------------------------------------------------------ the step
 
+    def set_arrivals(
+        self, take_arrivals: Callable[[], None], publish: Callable[[list[EngineOutput]], None]
+    ) -> None:
+        """Let a step look for arrivals between its layers (NOTE(mid-step-express)).
+
+        ``take_arrivals()`` adds what came in (``add_request``) without blocking;
+        ``publish(outputs)`` sends a nested express step's outputs at once.  The
+        engine core process sets both; without them a P0 waits for the step in flight.
+        """
+        self._arrivals, self._publish = take_arrivals, publish
+
     def step(self) -> list[EngineOutput]:
         t0 = time.monotonic()
         outputs = self.scheduler.finish_requests(self._pending_aborts, RequestStatus.FINISHED_ABORTED)
@@ -182,7 +201,10 @@ class EngineCore:
             sched = self.scheduler.schedule(budget)
         self.num_express_steps += express
         if not sched.is_empty:
-            tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
+            mid_step = self._mid_step if self._arrivals is not None and self.config.express_mid_step and not express else None
+            self._mid_step_time, self._step_budget = 0.0, budget
+            rows = self._sampling_rows(sched)
+            tokens, logprobs = self.runner.execute(sched, rows, mid_step) if mid_step else self.runner.execute(sched, rows)
             outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
             if self.kv_tiers is not None:  # NOTE(write-through) in kv_tiers.connector
                 self.kv_tiers.store_new(self.block_manager.take_newly_cached())
@@ -190,6 +212,8 @@ class EngineCore:
             self._last_batched = sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = time.monotonic()
+            if self._mid_step_time:  # the step's own time: the nested steps were observed on their own
+                t0 += self._mid_step_time
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
             share = self._express_time
@@ -204,6 +228,52 @@ class EngineCore:
                 self.generators.pop(out.request_id, None)
                 self.lora.release(out.request_id)
         return outputs
+
+    def _mid_step(self, layer: int) -> bool:
+        """Between two layers of a normal step: start waiting P0s now, in an express step of their own.
+
+        NOTE(mid-step-express): a P0 arriving while a step runs would wait for
+        the rest of that step (up to a third of its target, NOTE(step-cap)) and
+        then for its express step.  The step in flight looks for arrivals between
+        its layers (at most every ``MID_STEP_POLL_S``); when the express rule
+        (``_express``) would give the waiting P0s a step of their own, that step
+        runs here, nested: the scheduler plans it from free slots and free blocks
+        only (nothing in flight is touched), its first tokens are published at
+        once, and the outer step then goes on from the next layer.  Both steps'
+        K/V live in disjoint blocks; their outputs are what they would be apart.
+        Returns True when a step ran (the runner then sets its metadata again).
+        """
+        now = time.monotonic()
+        if now - self._last_poll < MID_STEP_POLL_S:
+            return False
+        self._last_poll = now
+        assert self._arrivals is not None and self._publish is not None
+        self._arrivals()
+        budget = self._step_budget
+        if self.scheduler.waiting.head(Priority.P0) is None or not self._express(budget):
+            return False
+        sched = self.scheduler.schedule(self._express_budget(budget), nested=True)
+        if sched.is_empty:
+            return False
+        t0 = time.monotonic()
+        tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
+        outputs = self.scheduler.update_from_output(sched, tokens, logprobs)
+        if self.kv_tiers is not None:
+            self.kv_tiers.store_new(self.block_manager.take_newly_cached())
+        t1 = time.monotonic()
+        self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
+        self._mid_step_time += t1 - t0
+        self.num_express_steps += 1
+        self.num_mid_step_express += 1
+        share = self._express_time
+        share[0] = share[0] * EXPRESS_DECAY + (t1 - t0)
+        share[1] = share[1] * EXPRESS_DECAY + (t1 - t0)
+        for out in outputs:
+            if out.finished:
+                self.generators.pop(out.request_id, None)
+                self.lora.release(out.request_id)
+        self._publish(outputs)
+        return True
 
     def _token_budget(self) -> int | None:
         """The step's token budget: ``max_num_batched_tokens``, or less while tight TTFT targets are about.
@@ -363,6 +433,7 @@ class EngineCore:
             step_time_per_seq=self.step_model.per_seq,
             max_num_batched_tokens=self._last_budget,
             express_budget=self._express_budget(self._last_budget) if self.config.express_steps else 0,
+            express_mid_step=self.config.express_steps and self.config.express_mid_step and self._arrivals is not None,
             max_num_seqs=sch.max_num_seqs,
             seq_limit_by_priority=[sch.seq_limit_for(p) for p in range(3)],
             running_slots=[[r.priority, r.num_output_tokens, max(1, r.sampling.max_tokens - r.num_output_tokens)]

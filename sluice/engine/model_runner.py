@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -94,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.lora_adapters: dict[int, Any] | None = None  # lora_id -> LoRAAdapter in memory (LoRAManager.resident)
         self.capture_logits = False  # tests: keep a copy of each step's raw logits
+        self._depth = 0  # execute() calls in progress (2 while a step runs nested in another)
         self.last_logits: torch.Tensor | None = None
 
     def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -137,24 +139,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, sched: SchedulerOutput, rows: list[SamplingRow]
+        self,
+        sched: SchedulerOutput,
+        rows: list[SamplingRow],
+        between_layers: Callable[[int], bool] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Run the step; return the sampled tokens (one per sampling row, in
-        scheduled order) and their logprobs."""
+        scheduled order) and their logprobs.
+
+        ``between_layers(i)`` is called after layer ``i`` (not the last); it may
+        run another, nested ``execute`` on other requests (NOTE(mid-step-express)
+        in sluice.engine.core) and returns True when it did: this step's
+        attention metadata is then set again.  Nothing else of the step lives
+        outside this frame between layers (the residual stream is a local).
+        """
         # NOTE(denormals): SiLU's exp() underflows through denormals for large |x|;
         # flushing them to zero makes it ~5x faster and changes no logit.  The flag
         # is process state, so it is set only while the model runs (other code in
-        # the process, e.g. hypothesis in tests, needs IEEE subnormals).
-        ftz = self.device.type == "cpu" and torch.set_flush_denormal(True)
+        # the process, e.g. hypothesis in tests, needs IEEE subnormals); a nested
+        # step leaves it to the outer one.
+        outer = self._depth == 0
+        ftz = outer and self.device.type == "cpu" and torch.set_flush_denormal(True)
+        self._depth += 1
         try:
             ids, pos, meta, sample_idx = self.build_metadata(sched)
             self.attention.set_metadata(meta)
             lora = build_lora_batch(sched, self.lora_adapters) if self.lora_adapters else None
-            hidden = self.model(ids, pos, self.attention, lora)
+            hook = None
+            if between_layers is not None:
+                def hook(i: int) -> None:
+                    if between_layers(i):
+                        self.attention.set_metadata(meta)
+            hidden = self.model(ids, pos, self.attention, lora, hook)
             if not sample_idx:
                 return [], []
             logits = self.model.compute_logits(hidden[sample_idx])  # (N, vocab) fp32
         finally:
+            self._depth -= 1
             if ftz:
                 torch.set_flush_denormal(False)
         if self.capture_logits:

@@ -238,6 +238,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time_per_seq: float = 0.0  # seconds per scheduled sequence (c in a + b * tokens + c * seqs; 0: not separable)
     max_num_batched_tokens: int = 0  # a normal step's token budget (bounded under tight targets; 0: unknown)
     express_budget: int = 0  # tokens of P0 prefill an express step may batch (0: no express steps)
+    express_mid_step: bool = False  # an express step may start mid-step: P0 does not wait for the running one
     max_num_seqs: int = 0  # the engine's running-sequences limit (0: unknown)
     # running requests each class may be admitted up to (slots kept for higher classes' recent peak left out)
     seq_limit_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])

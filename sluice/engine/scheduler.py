@@ -111,6 +111,7 @@ class _Step:
     by_id: dict[str, ScheduledRequest]  # request_id -> its entry in out.scheduled
     now: float  # monotonic
     express: bool = False  # only P0 prefills this step (NOTE(express-step))
+    nested: bool = False  # planned while another step runs: waiting P0s only, nothing taken (NOTE(mid-step-express))
     adapters: set[int] = field(default_factory=set)  # lora_id of running requests (and admitted this step)
     passed_over: list[Request] = field(default_factory=list)  # waiting adapter requests set aside this step
 
@@ -333,7 +334,7 @@ class Scheduler:
                 n, t = n + 1, t + r.num_tokens
         return n, t
 
-    def schedule(self, token_budget: int | None = None, express: bool = False) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None, express: bool = False, nested: bool = False) -> SchedulerOutput:
         """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``).
 
         NOTE(express-step): ``express`` plans a step of P0 prefills only (waiting
@@ -343,16 +344,26 @@ class Scheduler:
         prefill runs alone, so its TTFT is the rest of the running step plus a
         short one.  The engine asks for it (``EngineCore``) while express steps
         took under half of the recent step time.
+
+        NOTE(mid-step-express): ``nested`` plans an express step to run between
+        two layers of a step in flight (``EngineCore``): every running request
+        may be in that step, so it starts waiting P0 requests only (no running
+        chunked prefill), in free slots and free blocks only (no preemption,
+        no budget taken), and leaves the cycle statistics and the KV tier's
+        loaded requests to the next normal plan.
         """
+        express = express or nested
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
         # NOTE(bounded-slots): a budget bounded below max_num_batched_tokens (the
         # engine's NOTE(step-cap)) still holds every running decode plus some
         # prefill tokens; it does not shrink the slots (max_num_seqs), or a class
         # with many short requests (P0 under load) would wait for slots instead.
-        step = _Step(SchedulerOutput(express=express), budget, {}, self.clock(), express)
-        self._observe_cycle(step.now)
+        step = _Step(SchedulerOutput(express=express), budget, {}, self.clock(), express, nested)
+        if not nested:
+            self._observe_cycle(step.now)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
-        self._admit_loaded()
+        if not nested:
+            self._admit_loaded()
         self.running.sort(key=self._order_key)
         self._update_peaks(step.now)
         # 1: running decodes, most urgent first, one token each
@@ -395,8 +406,9 @@ class Scheduler:
         can_admit = [True for _ in Priority]
         if step.express:  # NOTE(express-step): P0's prefills only
             for c in Priority:
-                if c != Priority.P0:
+                if c != Priority.P0 or step.nested:  # nested: the running ones may be in the step in flight
                     chunked[c].clear()
+                if c != Priority.P0:
                     can_admit[c] = False
         while True:
             oldest: list[float | None] = []
@@ -465,7 +477,7 @@ class Scheduler:
         num_memory_tokens = len(cached) * bm.block_size
         num_cached_tokens = num_memory_tokens + len(tier) * bm.block_size
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
-        lower = [r for r in self.running if r.priority > req.priority]
+        lower = [r for r in self.running if r.priority > req.priority] if not step.nested else []
         limit = self.seq_limit_for(req.priority)
         holders = len(self.running) + len(self.loading)
         # P0's own holders sit in the slots kept for it: a lower class's limit counts the other classes only
@@ -485,7 +497,7 @@ class Scheduler:
                 return False
             self._preempt(victim, step)
         while not bm.can_allocate(req, num_cached_tokens + n, cached):
-            victim = self._lower_victim(req.priority)
+            victim = self._lower_victim(req.priority) if not step.nested else None
             if victim is None:
                 return False
             self._preempt(victim, step)

@@ -22,6 +22,7 @@ GEMMs' epilogues; other dtypes and devices use the torch ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -247,11 +248,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (T,) int64
         attention: AttentionFn,
         lora: LayerDeltas | None = None,  # the step's adapter row groups, if any
+        between_layers: Callable[[int], object] | None = None,  # called after each layer but the last
     ) -> torch.Tensor:  # (T, hidden), final-normed
         x = self.embed_tokens(input_ids)
         rope = Rope(positions, self.rope_cos, self.rope_sin)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(i, x, rope, attention, lora)
+            if between_layers is not None and i < last:
+                between_layers(i)  # NOTE(mid-step-express) in sluice.engine.core: another step may run here
         return self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

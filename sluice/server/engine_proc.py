@@ -93,28 +93,49 @@ def run_engine_core(
     poller.register(pull, zmq.POLLIN)
     was_busy = False
     lora_tickets: dict[int, int] = {}  # LoRA load ticket -> the lora_load control awaiting its answer
+    rejected: list[EngineOutput] = []
+    held: list[tuple[bytes, bytes]] = []  # messages read mid-step that wait for the step's end
+
+    def handle(kind: bytes, payload: bytes) -> None:
+        if kind == Kind.REQUESTS:
+            for req in dec.requests.decode(payload):
+                try:
+                    engine.add_request(req)
+                except SluiceError as e:
+                    rejected.append(_rejection(req.request_id, e))
+        elif kind == Kind.ABORT:
+            engine.abort(dec.abort.decode(payload).request_ids)
+        elif kind == Kind.CONTROL:
+            reply = _control(engine, profiler, dec.control.decode(payload), lora_tickets)
+            if reply is not None:  # None: a LoRA load, answered when it finished
+                push.send_multipart(encode(Kind.CONTROL_REPLY, reply))
+            _publish_stats(push, engine)
+
+    def take_arrivals() -> None:
+        """Mid-step (NOTE(mid-step-express) in sluice.engine.core): add new requests; hold the rest."""
+        while poller.poll(0):
+            kind, payload = pull.recv_multipart()
+            if kind == Kind.REQUESTS and not held:  # held first: messages keep their order
+                handle(kind, payload)
+            else:
+                held.append((kind, payload))
+
+    def publish_early(outputs: list[EngineOutput]) -> None:
+        push.send_multipart(encode(Kind.OUTPUTS, EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())))
+
+    if hasattr(engine, "set_arrivals"):
+        engine.set_arrivals(take_arrivals, publish_early)
     while not stopping:
+        for kind, payload in held:
+            handle(kind, payload)
+        held.clear()
         busy = engine.has_unfinished_requests()
         timeout = 0 if busy else LOAD_POLL_MS if engine.has_pending_lora_loads() else IDLE_POLL_MS
-        rejected: list[EngineOutput] = []
         # NOTE(drain-input): take every queued message before stepping so that a
         # burst of arrivals lands in one schedule() instead of one per step.
         while poller.poll(timeout):
             timeout = 0
-            kind, payload = pull.recv_multipart()
-            if kind == Kind.REQUESTS:
-                for req in dec.requests.decode(payload):
-                    try:
-                        engine.add_request(req)
-                    except SluiceError as e:
-                        rejected.append(_rejection(req.request_id, e))
-            elif kind == Kind.ABORT:
-                engine.abort(dec.abort.decode(payload).request_ids)
-            elif kind == Kind.CONTROL:
-                reply = _control(engine, profiler, dec.control.decode(payload), lora_tickets)
-                if reply is not None:  # None: a LoRA load, answered when it finished
-                    push.send_multipart(encode(Kind.CONTROL_REPLY, reply))
-                _publish_stats(push, engine)
+            handle(*pull.recv_multipart())
         if os.getppid() != parent:
             break
         busy = engine.has_unfinished_requests()
@@ -125,7 +146,7 @@ def run_engine_core(
                 encode(
                     Kind.OUTPUTS,
                     EngineCoreOutputs(
-                        outputs=rejected + outputs,
+                        outputs=rejected + outputs,  # a rejection made mid-step goes out with its step
                         stats=engine.make_stats(),
                         timestamp=time.monotonic(),
                         lora_loads=loads,
@@ -136,6 +157,7 @@ def run_engine_core(
             cid = lora_tickets.pop(rec.ticket, None) if rec.ticket else None
             if cid is not None:
                 push.send_multipart(encode(Kind.CONTROL_REPLY, _load_reply(cid, rec)))
+        rejected.clear()
         was_busy = busy
     # NOTE(kv-checkpoint-on-exit): a graceful stop (SIGTERM, or the API process
     # gone) writes the cached prefix blocks the disk tier lacks, so a restart

@@ -30,7 +30,8 @@ The prediction (``predict_ttft``) is a model of the scheduler
                     requests queued ahead take the slots in turn for the measured
                     mean output length (NOTE(slot-turnover))
 
-plus half a step (it arrives while one is running).  Lower classes hold
+plus half a step (it arrives while one is running; a P0 with a free slot
+and mid-step express steps waits ``MID_STEP_WAIT_S`` instead).  Lower classes hold
 neither slots, blocks nor decode tokens against it (it takes them).  Future arrivals are not
 foreseen here; the admission stretches the prediction by the higher classes'
 arrival rate (its NOTE(higher-arrivals)) and re-predicts at every arrival.
@@ -51,6 +52,7 @@ __all__ = ["SloTargets", "EngineLoad", "predict_ttft", "unloaded_ttft", "AUTO_FL
 
 AUTO_FLOORS = (0.1, 2.0, 5.0)  # seconds, P0 / P1 / P2
 AUTO_MULTIPLES = (4.0, 10.0, 25.0)  # x the request's unloaded TTFT
+MID_STEP_WAIT_S = 0.003  # a P0's wait for a mid-step express step: the engine looks every 2 ms, plus a layer
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
 
 
@@ -108,6 +110,7 @@ class EngineLoad:
     step_time_per_seq: float = 0.0  # seconds per scheduled sequence, c
     max_num_batched_tokens: int = 512
     express_budget: int = 0  # tokens of P0 prefill an express step batches (0: no express steps)
+    express_mid_step: bool = False  # ... and one may start mid-step (the engine's NOTE(mid-step-express))
     max_num_seqs: int = 64
     seq_limit_by_priority: list[int] | None = None  # slots each class may fill (None: max_num_seqs for all)
     num_decoding: int = 0
@@ -129,6 +132,7 @@ class EngineLoad:
             step_time_per_seq=s.step_time_per_seq,
             max_num_batched_tokens=s.max_num_batched_tokens or max_num_batched_tokens,
             express_budget=s.express_budget,
+            express_mid_step=s.express_mid_step,
             max_num_seqs=s.max_num_seqs or max_num_seqs,
             num_decoding=s.num_decoding,
             seq_limit_by_priority=list(s.seq_limit_by_priority) if any(s.seq_limit_by_priority) else None,
@@ -286,4 +290,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
     running = sum(load.num_running_by_priority)
     current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)),
                              running)  # fmt: skip
+    if c == Priority.P0 and load.express_budget > 0 and load.express_mid_step and slot_bound == 0.0:
+        # NOTE(mid-step-express) in the engine: a P0 with a free slot does not wait for the running
+        # step, only for the engine's next look at its input (between two layers)
+        return prefill_bound + min(0.5 * current, MID_STEP_WAIT_S)
     return max(prefill_bound, slot_bound) + 0.5 * current

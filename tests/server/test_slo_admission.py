@@ -7,6 +7,7 @@ token, a 512-token budget and 64 slots.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -17,7 +18,7 @@ from sluice.engine.protocol import EngineStats
 from sluice.errors import OverloadedError
 from sluice.http_errors import retry_after_header
 from sluice.server.admission import AdmissionController
-from sluice.server.slo import EngineLoad, SloTargets, predict_ttft, unloaded_ttft
+from sluice.server.slo import MID_STEP_WAIT_S, EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
 from tests.server.conftest import until
 
@@ -282,6 +283,14 @@ def test_p0_prediction_counts_express_steps() -> None:
     assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.1 + 0.5 * current)
     load.express_budget = 0  # without express steps: 40-token steps next to no decodes of its own class, GPS shares
     assert predict_ttft(load, Priority.P0, 100) > 1.5 * with_express
+    load.express_budget = 200
+    load.express_mid_step = True  # NOTE(mid-step-express): the express step starts between two layers
+    assert predict_ttft(load, Priority.P0, 100) == pytest.approx(0.01 + 0.1 + MID_STEP_WAIT_S)
+    assert predict_ttft(load, Priority.P1, 100) == predict_ttft(dataclasses.replace(load, express_mid_step=False),
+                                                                 Priority.P1, 100), "only P0's wait changes"  # fmt: skip
+    load.num_running_by_priority, load.seq_limit_by_priority = [64, 0, 0], [64, 64, 64]
+    load.running_slots = [[0, 1, 15]] * 64
+    assert predict_ttft(load, Priority.P0, 100) > 0.01 + 0.1 + 0.5 * current, "no free slot: it waits for one"
 
 
 def test_while_a_higher_class_is_refused_a_lower_class_is_refused_too() -> None:
