@@ -15,8 +15,10 @@ engine's scheduling alone does for P0:
    each, class mix 20% P0 / 30% P1 / 50% P2, 12-token prompts, 16 output
    tokens; every request carries its class's TTFT target (P0
    ``--p0-target``, P1 2 s, P2 5 s), as the API process sends them;
-3. each load twice, one run after the other: ``express_steps`` on (the
-   default) and off.
+3. each load three times, one run after the other: express steps that may
+   start mid-step (the default in ``sluice serve``: arrivals are taken between
+   layers, NOTE(mid-step-express)), express steps only at step boundaries
+   (what an in-process ``EngineCore`` does), and no express steps.
 
 TTFT here is from the request's arrival time to the end of the step that
 produced its first token.  Writes section ``overload_engine`` of
@@ -41,6 +43,9 @@ from sluice.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
 
 MIX = (0.2, 0.3, 0.5)
 PROMPT_TOKENS = 12
+
+
+MODES = ("mid-step", "boundary", "off")  # express steps: also mid-step, at step boundaries only, none
 
 
 def _engine(express: bool, concurrency: int, model: str = "smollm2") -> EngineCore:
@@ -84,9 +89,9 @@ def capacity(concurrency: int, seconds: float, targets: tuple[float, ...], model
     return done / (time.monotonic() - warm)
 
 
-def run_load(express: bool, rate: float, seconds: float, concurrency: int, targets: tuple[float, ...],
+def run_load(mode: str, rate: float, seconds: float, concurrency: int, targets: tuple[float, ...],
              seed: int, model: str = "smollm2") -> dict[str, Any]:  # fmt: skip
-    engine = _engine(express, concurrency, model)
+    engine = _engine(mode != "off", concurrency, model)
     rng = random.Random(seed)
     arrivals: list[tuple[float, int]] = []
     t = 0.0
@@ -98,14 +103,27 @@ def run_load(express: bool, rate: float, seconds: float, concurrency: int, targe
     express0 = engine.num_express_steps
     k = 0
     t0 = time.monotonic()
-    deadline = t0 + seconds + 60.0  # the queued lower classes drain, within bounds
-    while (k < len(arrivals) or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+
+    def take_arrivals() -> None:
+        nonlocal k
         now = time.monotonic() - t0
         while k < len(arrivals) and arrivals[k][0] <= now:
             at, p = arrivals[k]
             engine.add_request(_request(rng, f"r{k}", p, targets, t0 + at))
             sent[f"r{k}"] = (t0 + at, p)
             k += 1
+
+    def record(outs: list[Any], at: float) -> None:
+        for out in outs:
+            if out.request_id in sent and out.request_id not in first and out.new_token_ids:
+                first[out.request_id] = at - sent[out.request_id][0]
+
+    if mode == "mid-step":  # as the engine core process does (NOTE(mid-step-express))
+        engine.set_arrivals(take_arrivals, lambda outs: record(outs, time.monotonic()))
+    deadline = t0 + seconds + 60.0  # the queued lower classes drain, within bounds
+    while (k < len(arrivals) or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+        take_arrivals()
+        now = time.monotonic() - t0
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(0.002, arrivals[k][0] - now)))
             continue
@@ -113,12 +131,11 @@ def run_load(express: bool, rate: float, seconds: float, concurrency: int, targe
         outs = engine.step()
         s1 = time.monotonic()
         steps.append(s1 - s0)
-        for out in outs:
-            if out.request_id in sent and out.request_id not in first and out.new_token_ids:
-                first[out.request_id] = s1 - sent[out.request_id][0]
+        record(outs, s1)
     elapsed = time.monotonic() - t0
-    res: dict[str, Any] = {"express": express, "rate": rate, "sent": len(sent), "elapsed_s": elapsed,
+    res: dict[str, Any] = {"mode": mode, "rate": rate, "sent": len(sent), "elapsed_s": elapsed,
                            "steps": len(steps), "express_steps": engine.num_express_steps - express0,
+                           "mid_step_express": engine.num_mid_step_express,
                            "step_ms_mean": 1e3 * statistics.fmean(steps) if steps else 0.0, "classes": {}}  # fmt: skip
     for p in range(3):
         v = sorted(first[r] for r in first if sent[r][1] == p)
@@ -150,25 +167,25 @@ def main() -> None:
     print(f"capacity {cap:.1f} req/s", flush=True)
     results = []
     for mult in (float(x) for x in args.loads.split(",")):
-        for express in (True, False):
-            r = run_load(express, mult * cap, args.step_s, args.concurrency, targets, seed=int(mult * 10), model=args.model)
+        for mode in MODES:
+            r = run_load(mode, mult * cap, args.step_s, args.concurrency, targets, seed=int(mult * 10), model=args.model)
             r["load"] = mult
             results.append(r)
             p0 = r["classes"].get("p0", {})
-            print(f"{mult:g}x express={'on' if express else 'off'}: P0 TTFT p50/p99 "
+            print(f"{mult:g}x express steps {mode}: P0 TTFT p50/p99 "
                   f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f} ms, attainment "
                   f"{p0.get('attainment', 0):.1%}; {r['completed_rps']:.1f} first tokens/s", flush=True)  # fmt: skip
     headers = ["load", "express steps", "P0 TTFT p50/p95/p99 (ms)", "P0 attainment", "P1 TTFT p50 (ms)",
-               "P2 TTFT p50 (ms)", "requests started/s", "steps (express)", "mean step (ms)"]  # fmt: skip
+               "P2 TTFT p50 (ms)", "requests started/s", "steps (express, mid-step)", "mean step (ms)"]  # fmt: skip
     rows = []
     for r in results:
         c = r["classes"]
         p0 = c.get("p0", {})
-        rows.append([f"{r['load']:g}x", "on" if r["express"] else "off",
+        rows.append([f"{r['load']:g}x", r["mode"],
                      f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p95_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f}",
                      f"{p0.get('attainment', 0):.1%}", f"{c.get('p1', {}).get('ttft_p50_ms', 0):.0f}",
                      f"{c.get('p2', {}).get('ttft_p50_ms', 0):.0f}", f"{r['completed_rps']:.1f}",
-                     f"{r['steps']} ({r['express_steps']})", f"{r['step_ms_mean']:.1f}"])  # fmt: skip
+                     f"{r['steps']} ({r['express_steps']}, {r['mid_step_express']})", f"{r['step_ms_mean']:.1f}"])  # fmt: skip
     table = markdown_table(headers, rows)
     print(table)
     if not args.no_write:
@@ -177,7 +194,7 @@ def main() -> None:
                 f"nothing is shed). Capacity {cap:.1f} req/s (closed loop of {args.concurrency}); open-loop "
                 f"Poisson for {args.step_s:g} s per load, 20/30/50% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
                 f"tokens; targets P0 {args.p0_target:g} s, P1 2 s, P2 5 s. TTFT: arrival to the end of the step "
-                f"with the first token. Express steps on and off run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
+                f"with the first token (for a mid-step express step: when it was published, mid-step). Express steps mid-step (as in `sluice serve`), at step boundaries only, and off run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
         write_section("overload_engine", body)
     print_json_last({"benchmark": "overload_engine", "capacity_rps": cap, "results": results})
 

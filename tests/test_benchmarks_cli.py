@@ -297,12 +297,14 @@ def test_overload_engine_run_reports_every_class_and_counts_express_steps(tmp_pa
 
     model = str(make_tiny_model_dir(tmp_path / "tiny-llama"))
     targets = (0.05, 2.0, 5.0)
-    on = overload_engine.run_load(True, 80.0, 1.0, 8, targets, seed=3, model=model)
-    off = overload_engine.run_load(False, 80.0, 1.0, 8, targets, seed=3, model=model)
-    assert on["sent"] == off["sent"] > 20, "the same seeded arrivals for both runs"
-    for r in (on, off):
+    runs = {mode: overload_engine.run_load(mode, 80.0, 1.0, 8, targets, seed=3, model=model)
+            for mode in overload_engine.MODES}  # fmt: skip
+    assert len({r["sent"] for r in runs.values()}) == 1 and runs["off"]["sent"] > 20, "the same seeded arrivals"
+    for r in runs.values():
         assert set(r["classes"]) == {"p0", "p1", "p2"}
         assert sum(c["sent"] for c in r["classes"].values()) == r["sent"]
         assert all(c["first_tokens"] == c["sent"] for c in r["classes"].values()), "the queue drains: every request starts"
         assert 0.0 <= r["classes"]["p0"]["attainment"] <= 1.0
-    assert off["express_steps"] == 0, "--no-express-steps: never an express step"
+    assert runs["off"]["express_steps"] == 0, "--no-express-steps: never an express step"
+    assert runs["boundary"]["mid_step_express"] == 0 == runs["off"]["mid_step_express"], "no arrivals hook: none mid-step"
+    assert runs["mid-step"]["mid_step_express"] <= runs["mid-step"]["express_steps"]
