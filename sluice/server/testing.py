@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,11 +70,15 @@ class FakeEngineCore:
         load_delay: float = 0.0,
         lora_load_delay: float = 0.0,
         busy_step: bool = False,  # spin through step_delay (CPU work a sampling profiler sees) instead of sleeping
+        mid_step: bool = False,  # halfway through a step, start arrived P0s at once (the engine's NOTE(mid-step-express))
     ):
         time.sleep(load_delay)  # a slow model load, for /health tests
         self.config = config
         self.step_delay = step_delay
         self.busy_step = busy_step
+        self.mid_step = mid_step
+        self._arrivals: Callable[[], None] | None = None
+        self._publish: Callable[[list[EngineOutput]], None] | None = None
         self.max_model_len = config.max_model_len or max_model_len
         self.model_info = ModelInfo(
             name="fake",
@@ -118,8 +122,39 @@ class FakeEngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.to_abort)
 
+    def set_arrivals(self, take_arrivals: Callable[[], None], publish: Callable[[list[EngineOutput]], None]) -> None:
+        self._arrivals, self._publish = take_arrivals, publish
+
+    def _mid_step_p0s(self) -> None:
+        """Take arrivals; waiting P0s with a free slot get their first token now, published at once."""
+        assert self._arrivals is not None and self._publish is not None
+        self._arrivals()
+        early = []
+        for r in [r for r in self.waiting if r.req.priority == 0]:
+            if len(self.running) >= self.config.max_num_seqs or not self._start(r, time.monotonic()):
+                break
+            early.append(self._emit(r))
+        if early:
+            self._publish(early)
+
+    def _start(self, r: _Req, now: float) -> bool:
+        need = math.ceil((len(r.req.prompt_token_ids) + 1) / BLOCK_SIZE)
+        if need > self.num_free_blocks:
+            return False
+        self.waiting.remove(r)
+        r.num_blocks = need
+        self.num_free_blocks -= need
+        assert r.timings is not None
+        r.timings.first_scheduled = now
+        self.running.append(r)
+        return True
+
     def step(self) -> list[EngineOutput]:
-        if self.step_delay and self.busy_step:
+        if self.step_delay and self.mid_step and self._arrivals is not None:
+            time.sleep(self.step_delay / 2)
+            self._mid_step_p0s()
+            time.sleep(self.step_delay / 2)
+        elif self.step_delay and self.busy_step:
             end = time.perf_counter() + self.step_delay
             while time.perf_counter() < end:
                 pass
@@ -137,38 +172,34 @@ class FakeEngineCore:
             self.to_abort.clear()
         self.waiting.sort(key=lambda r: r.req.priority)  # a free slot goes to the most urgent class (stable)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            r = self.waiting[0]
-            need = math.ceil((len(r.req.prompt_token_ids) + 1) / BLOCK_SIZE)
-            if need > self.num_free_blocks:
+            if not self._start(self.waiting[0], now):
                 break
-            self.waiting.pop(0)
-            r.num_blocks = need
-            self.num_free_blocks -= need
-            assert r.timings is not None
-            r.timings.first_scheduled = now
-            self.running.append(r)
         for r in list(self.running):
-            tok = self._next_token(r)
-            r.output.append(tok)
-            self._grow(r)
-            assert r.timings is not None
-            if r.timings.first_token is None:
-                r.timings.first_token = time.monotonic()
-            sp = r.req.sampling
-            lp = None
-            if sp.logprobs is not None:
-                alt = 97 + (tok - 97 + 1) % 26
-                lp = [TokenLogprobs(tok, -0.25, [(tok, -0.25), (alt, -1.75)][: max(sp.logprobs, 0)])]
-            reason = None
-            if len(r.output) >= sp.max_tokens:
-                reason = FinishReason.LENGTH
-            elif tok in sp.stop_token_ids and len(r.output) >= sp.min_tokens:
-                reason = FinishReason.STOP
-            if reason is not None:
-                self.running.remove(r)
-                self._free(r)
-            outs.append(self._output(r, [tok], lp, finish_reason=reason, now=time.monotonic()))
+            outs.append(self._emit(r))
         return outs
+
+    def _emit(self, r: _Req) -> EngineOutput:
+        """The running request's next token (and its finish)."""
+        tok = self._next_token(r)
+        r.output.append(tok)
+        self._grow(r)
+        assert r.timings is not None
+        if r.timings.first_token is None:
+            r.timings.first_token = time.monotonic()
+        sp = r.req.sampling
+        lp = None
+        if sp.logprobs is not None:
+            alt = 97 + (tok - 97 + 1) % 26
+            lp = [TokenLogprobs(tok, -0.25, [(tok, -0.25), (alt, -1.75)][: max(sp.logprobs, 0)])]
+        reason = None
+        if len(r.output) >= sp.max_tokens:
+            reason = FinishReason.LENGTH
+        elif tok in sp.stop_token_ids and len(r.output) >= sp.min_tokens:
+            reason = FinishReason.STOP
+        if reason is not None:
+            self.running.remove(r)
+            self._free(r)
+        return self._output(r, [tok], lp, finish_reason=reason, now=time.monotonic())
 
     # -- LoRA adapters -------------------------------------------------------------
 

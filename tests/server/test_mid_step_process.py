@@ -1,0 +1,71 @@
+"""NOTE(mid-step-express) through the processes: the engine core process takes new requests
+mid-step, publishes a nested step's first tokens at once, and holds every other message
+(aborts, controls) for the step's end.  A fake engine with 0.4 s steps takes arrivals halfway."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import scrape, start_fake_server, wait_for
+
+STEP_S = 0.4
+
+
+def _stream_p2(url: str, max_tokens: int, stop_after: int | None = None) -> list[str]:
+    """A streaming p2 completion; with ``stop_after``, hang up after that many chunks."""
+    chunks: list[str] = []
+    body = {"model": "fake", "prompt": "hello there", "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"x-priority": "p2"}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(line)
+                if stop_after is not None and len(chunks) >= stop_after:
+                    break
+    return chunks
+
+
+def test_a_p0_arriving_mid_step_is_answered_before_the_step_ends_and_aborts_wait_for_it() -> None:
+    srv = start_fake_server(step_delay=STEP_S, engine_kwargs={"mid_step": True})
+    try:
+        p2 = threading.Thread(target=_stream_p2, args=(srv.url, 6))
+        p2.start()
+        assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 0) >= 1, timeout=5)
+        time.sleep(0.05)  # inside a 0.4 s step
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
+                       json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        assert elapsed < STEP_S, f"answered mid-step, not after the running step and one more: {elapsed:.2f} s"
+        p2.join(30)
+        # a client hanging up mid-step: its abort is held until the step ends, then honoured
+        hung = threading.Thread(target=_stream_p2, args=(srv.url, 50, 1))
+        hung.start()
+        hung.join(30)
+        assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 1) == 0, timeout=10), (
+            "the abort read mid-step reached the engine: nothing left running"
+        )
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "after", "max_tokens": 2},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 200, "the engine keeps serving"
+    finally:
+        srv.stop()
+
+
+def test_without_mid_step_the_p0_waits_for_the_running_step() -> None:
+    srv = start_fake_server(step_delay=STEP_S)
+    try:
+        p2 = threading.Thread(target=_stream_p2, args=(srv.url, 4))
+        p2.start()
+        assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 0) >= 1, timeout=5)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
+                       json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
+        assert r.status_code == 200 and time.monotonic() - t0 >= STEP_S, "the rest of the running step and its own"
+        p2.join(30)
+    finally:
+        srv.stop()
