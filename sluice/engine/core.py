@@ -235,12 +235,14 @@ class EngineCore:
         NOTE(mid-step-express): a P0 arriving while a step runs would wait for
         the rest of that step (up to a third of its target, NOTE(step-cap)) and
         then for its express step.  The step in flight looks for arrivals between
-        its layers (at most every ``MID_STEP_POLL_S``); when the express rule
-        (``_express``) would give the waiting P0s a step of their own, that step
-        runs here, nested: the scheduler plans it from free slots and free blocks
+        its layers (at most every ``MID_STEP_POLL_S``); waiting P0s get a step
+        of their own that runs here, nested: the scheduler plans it from free slots and free blocks
         only (nothing in flight is touched), its first tokens are published at
         once, and the outer step then goes on from the next layer.  Both steps'
         K/V live in disjoint blocks; their outputs are what they would be apart.
+        Unlike at a step boundary, the express step is taken whatever a normal
+        step would cost (only the share of express time bounds it): the
+        alternative is the rest of the running step, then a normal one.
         Returns True when a step ran (the runner then sets its metadata again).
         """
         now = time.monotonic()
@@ -250,7 +252,7 @@ class EngineCore:
         assert self._arrivals is not None and self._publish is not None
         self._arrivals()
         budget = self._step_budget
-        if self.scheduler.waiting.head(Priority.P0) is None or not self._express(budget):
+        if self.scheduler.waiting.head(Priority.P0) is None or not self._express_share_left():
             return False
         sched = self.scheduler.schedule(self._express_budget(budget), nested=True)
         if sched.is_empty:
@@ -334,8 +336,7 @@ class EngineCore:
         classes' decodes keep at least the rest of the engine's time.
         """
         model = self.step_model
-        express, total = self._express_time
-        if not self.config.express_steps or model.per_token <= 0.0 or express > EXPRESS_SHARE * total:
+        if not self._express_share_left():
             return False
         seqs, tokens = self.scheduler.urgent_prefill()
         if seqs == 0:
@@ -347,6 +348,11 @@ class EngineCore:
             return True  # a normal step would not hold every decode and this prefill: P0 would wait two steps
         normal = model.predict(tokens + decodes, seqs + decodes)
         return normal > EXPRESS_GAIN * alone
+
+    def _express_share_left(self) -> bool:
+        """Express steps are on, the step time is measured, and they took under ``EXPRESS_SHARE`` of the recent time."""
+        express, total = self._express_time
+        return self.config.express_steps and self.step_model.per_token > 0.0 and express <= EXPRESS_SHARE * total
 
     def _express_budget(self, budget: int | None) -> int:
         """An express step's tokens: twice the bounded budget (several P0 prompts in one step, not
