@@ -94,7 +94,7 @@ def test_a_p0_arriving_mid_step_gets_its_first_token_before_the_step_ends(
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "no block leaks"
 
 
-def test_no_nested_step_without_a_waiting_p0_or_when_the_rule_says_a_normal_step(
+def test_no_nested_step_without_a_waiting_p0_or_past_the_express_share(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(core, "MID_STEP_POLL_S", 0.0)
@@ -111,7 +111,7 @@ def test_no_nested_step_without_a_waiting_p0_or_when_the_rule_says_a_normal_step
     engine.set_arrivals(lambda: engine.add_request(_p0("p0-a")) if not engine.scheduler.requests.get("p0-a") else None,
                         published.append)  # fmt: skip
     engine.step()
-    assert engine.num_mid_step_express == 0 and not published, "the express rule said no: the P0 waits for the step"
+    assert engine.num_mid_step_express == 0 and not published, "express steps took their share: the P0 waits for the step"
     engine._express_time = [0.0, 1.0]
     outs = engine.step()
     assert "p0-a" in {o.request_id for o in outs}, "at the next step boundary it starts as usual"
@@ -132,3 +132,22 @@ def test_a_nested_step_never_preempts_the_step_in_flight(tiny_llama: Path, monke
     assert sorted(o.request_id for o in outs) == sorted(P2_PROMPTS) and engine.scheduler.num_preemptions == 0
     outs = engine.step()  # at the boundary the P0 takes a slot from a P2 (NOTE(take-from-lower))
     assert "p0-a" in {o.request_id for o in outs} and engine.scheduler.num_preemptions == 1
+
+
+def test_mid_step_the_p0_nests_even_where_a_boundary_would_give_it_a_normal_step(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(core, "MID_STEP_POLL_S", 0.0)
+    engine = _engine(tiny_llama)
+    engine.add_request(EngineRequest(request_id="p2-0", prompt_token_ids=P2_PROMPTS["p2-0"], sampling=GREEDY, priority=2))
+    engine.step()
+    _known_rates(engine)
+    m, n = engine.step_model, len(P0_PROMPTS["p0-a"])
+    assert m.predict(n + 1, 2) <= core.EXPRESS_GAIN * m.predict(n, 1), "at a boundary: a normal step (one decode beside it)"
+    published: list[list[EngineOutput]] = []
+    engine.set_arrivals(lambda: engine.add_request(_p0("p0-a")) if "p0-a" not in engine.scheduler.requests else None,
+                        published.append)  # fmt: skip
+    engine.step()
+    assert engine.num_mid_step_express == 1 and [o.request_id for o in published[0]] == ["p0-a"], (
+        "mid-step the alternative is the rest of the running step: it nests"
+    )
