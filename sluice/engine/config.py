@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 BLOCK_SIZE = 16  # tokens per KV block (DESIGN.md)
+MID_STEP_POLL_S = 0.002  # between layers, look for arrivals at most this often (NOTE(mid-step-express) in core)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}

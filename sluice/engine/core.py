@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from sluice.engine.block_manager import BlockManager
-from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
+from sluice.engine.config import BLOCK_SIZE, MID_STEP_POLL_S, EngineConfig, ModelInfo
 from sluice.engine.kv_tiers.connector import KVTierConnector
 from sluice.engine.kv_tiers.factory import make_kv_tier
 from sluice.engine.lora_manager import LoRAManager
@@ -48,7 +48,6 @@ MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slot
 EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
 EXPRESS_SHARE = 0.7  # ... and while express steps took less than this share of the recent step time
 EXPRESS_DECAY = 0.97  # per step: the memory of that share (~30 steps, about a second: a burst of P0s passes)
-MID_STEP_POLL_S = 0.002  # between layers, look for arrivals at most this often (NOTE(mid-step-express))
 
 
 class EngineCore:
@@ -201,13 +200,8 @@ class EngineCore:
             sched = self.scheduler.schedule(budget)
         self.num_express_steps += express
         if not sched.is_empty:
-            mid_step = self._mid_step if self._arrivals is not None and self.config.express_mid_step and not express else None
             self._mid_step_time, self._step_budget = 0.0, budget
-            rows = self._sampling_rows(sched)
-            tokens, logprobs = self.runner.execute(sched, rows, mid_step) if mid_step else self.runner.execute(sched, rows)
-            outputs += self.scheduler.update_from_output(sched, tokens, logprobs)
-            if self.kv_tiers is not None:  # NOTE(write-through) in kv_tiers.connector
-                self.kv_tiers.store_new(self.block_manager.take_newly_cached())
+            outputs += self._run(sched, self._mid_step if self._mid_step_on and not express else None)
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
@@ -216,18 +210,38 @@ class EngineCore:
                 t0 += self._mid_step_time
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
-            share = self._express_time
-            share[0] = share[0] * EXPRESS_DECAY + (t1 - t0 if express else 0.0)
-            share[1] = share[1] * EXPRESS_DECAY + (t1 - t0)
+            self._count_express_share(t1 - t0, express)
         elif self.kv_tiers is not None and self.scheduler.loading:
             self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
             self.lora.wait_any(0.005)  # only adapter loads to wait for: sleep on them instead of spinning
+        self._release_finished(outputs)
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, between_layers: Callable[[int], bool] | None = None) -> list[EngineOutput]:
+        """Execute a planned step and apply it: the scheduler's outputs, the KV tier's new blocks."""
+        tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched), between_layers)
+        outputs = self.scheduler.update_from_output(sched, tokens, logprobs)
+        if self.kv_tiers is not None:  # NOTE(write-through) in kv_tiers.connector
+            self.kv_tiers.store_new(self.block_manager.take_newly_cached())
+        return outputs
+
+    def _release_finished(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
             if out.finished:
                 self.generators.pop(out.request_id, None)
                 self.lora.release(out.request_id)
-        return outputs
+
+    def _count_express_share(self, seconds: float, express: bool) -> None:
+        """Decay the recent step time and add one step's (``EXPRESS_SHARE`` bounds the express part)."""
+        share = self._express_time
+        share[0] = share[0] * EXPRESS_DECAY + (seconds if express else 0.0)
+        share[1] = share[1] * EXPRESS_DECAY + seconds
+
+    @property
+    def _mid_step_on(self) -> bool:
+        """Express steps may start mid-step: on in the config, and the engine core process took input hooks."""
+        return self._arrivals is not None and self.config.express_steps and self.config.express_mid_step
 
     def _mid_step(self, layer: int) -> bool:
         """Between two layers of a normal step: start waiting P0s now, in an express step of their own.
@@ -258,22 +272,14 @@ class EngineCore:
         if sched.is_empty:
             return False
         t0 = time.monotonic()
-        tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched))
-        outputs = self.scheduler.update_from_output(sched, tokens, logprobs)
-        if self.kv_tiers is not None:
-            self.kv_tiers.store_new(self.block_manager.take_newly_cached())
+        outputs = self._run(sched)
         t1 = time.monotonic()
         self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
         self._mid_step_time += t1 - t0
         self.num_express_steps += 1
         self.num_mid_step_express += 1
-        share = self._express_time
-        share[0] = share[0] * EXPRESS_DECAY + (t1 - t0)
-        share[1] = share[1] * EXPRESS_DECAY + (t1 - t0)
-        for out in outputs:
-            if out.finished:
-                self.generators.pop(out.request_id, None)
-                self.lora.release(out.request_id)
+        self._count_express_share(t1 - t0, True)
+        self._release_finished(outputs)
         self._publish(outputs)
         return True
 
@@ -439,7 +445,7 @@ class EngineCore:
             step_time_per_seq=self.step_model.per_seq,
             max_num_batched_tokens=self._last_budget,
             express_budget=self._express_budget(self._last_budget) if self.config.express_steps else 0,
-            express_mid_step=self.config.express_steps and self.config.express_mid_step and self._arrivals is not None,
+            express_mid_step=self._mid_step_on,
             max_num_seqs=sch.max_num_seqs,
             seq_limit_by_priority=[sch.seq_limit_for(p) for p in range(3)],
             running_slots=[[r.priority, r.num_output_tokens, max(1, r.sampling.max_tokens - r.num_output_tokens)]

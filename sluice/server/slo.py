@@ -45,6 +45,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sluice.engine.config import MID_STEP_POLL_S
 from sluice.engine.protocol import EngineStats
 from sluice.types import PRIORITY_WEIGHTS, Priority
 
@@ -52,7 +53,7 @@ __all__ = ["SloTargets", "EngineLoad", "predict_ttft", "unloaded_ttft", "AUTO_FL
 
 AUTO_FLOORS = (0.1, 2.0, 5.0)  # seconds, P0 / P1 / P2
 AUTO_MULTIPLES = (4.0, 10.0, 25.0)  # x the request's unloaded TTFT
-MID_STEP_WAIT_S = 0.003  # a P0's wait for a mid-step express step: the engine looks every 2 ms, plus a layer
+MID_STEP_WAIT_S = MID_STEP_POLL_S + 0.001  # a P0's wait for a mid-step express step: the engine's next look, plus a layer
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*$")
 
 

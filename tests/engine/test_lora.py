@@ -53,8 +53,8 @@ def run(engine: EngineCore, specs: list[Spec], sp: SamplingParams = GREEDY) -> d
     logits: dict[str, list[torch.Tensor]] = {s[0]: [] for s in specs}
     tokens: dict[str, list[int]] = {s[0]: [] for s in specs}
 
-    def execute(sched: Any, rows: Any) -> Any:
-        out = original(sched, rows)
+    def execute(sched: Any, rows: Any, *hooks: Any) -> Any:
+        out = original(sched, rows, *hooks)
         sampled = [s.request.request_id for s in sched.scheduled if s.samples]
         for i, rid in enumerate(sampled):
             if rid in logits:
@@ -215,11 +215,11 @@ def test_max_loras_bounds_the_adapters_of_each_step(tiny_llama: Path, adapters: 
     seen: list[set[int]] = []
     original = eng.runner.execute
 
-    def execute(sched: Any, rows: Any) -> Any:
+    def execute(sched: Any, rows: Any, *hooks: Any) -> Any:
         seen.append({s.request.lora_id for s in sched.scheduled if s.request.lora_id})
         ids = [s.request.lora_id for s in sched.scheduled]
         assert ids == sorted(ids), "a step's requests are grouped by adapter (NOTE(lora-rows))"
-        return original(sched, rows)
+        return original(sched, rows, *hooks)
 
     eng.runner.execute = execute  # type: ignore[method-assign]
     specs: list[Spec] = [(f"{n}-{i}", prompt(20 + 4 * i + j, 12), n, 0) for j, n in enumerate(names) for i in range(2)]

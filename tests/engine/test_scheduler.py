@@ -38,10 +38,10 @@ def _count_computed(engine: EngineCore) -> dict[str, int]:
     counts: dict[str, int] = {}
     inner = engine.runner.execute
 
-    def execute(sched, rows):  # type: ignore[no-untyped-def]
+    def execute(sched, rows, *hooks):  # type: ignore[no-untyped-def]
         for s in sched.scheduled:
             counts[s.request.request_id] = counts.get(s.request.request_id, 0) + s.num_new_tokens
-        return inner(sched, rows)
+        return inner(sched, rows, *hooks)
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     return counts

@@ -24,8 +24,8 @@ def run(engine: EngineCore, requests: list[tuple[str, list[int], int]], watch: s
     original = runner.execute
     seen: list[torch.Tensor] = []
 
-    def execute(sched: Any, rows: Any) -> Any:
-        out = original(sched, rows)
+    def execute(sched: Any, rows: Any, *hooks: Any) -> Any:
+        out = original(sched, rows, *hooks)
         sampled = [s.request.request_id for s in sched.scheduled if s.samples]
         if watch in sampled:
             seen.append(runner.last_logits[sampled.index(watch)].clone())
