@@ -38,7 +38,11 @@ queue.  The capacity is the measured completion rate per second of engine
 work (time with requests in the engine, between its stats messages; all
 exponentially weighted over ``RATE_WINDOW_S``), not the completion rate itself: on a lightly loaded engine
 that only echoes the arrivals, and a P1 request after a few P0 ones would see
-``rho`` = 1 on an idle engine.  With ``rho`` near 1 the higher classes take
+``rho`` = 1 on an idle engine.  The arrival rate is the larger of its 5-s
+average and a 1-s one (``FAST_RATE_WINDOW_S``): a surge of higher-class
+traffic counts within a second, not after five (a step from all-P2 traffic to
+2x load admitted P2 requests for 2 s, and they all expired), while a fall is
+remembered for five.  With ``rho`` near 1 the higher classes take
 the whole engine and the request is refused at once.  P0 has nothing above it.
 
 NOTE(refused-above): shedding goes lowest class first, so while a higher
@@ -56,6 +60,22 @@ shed (429, ``code: expired``, a jittered ``Retry-After``) rather than left to
 take engine time from requests that can still make theirs, or to hang until
 the client gives up.  P0 is never shed this way.  ``overdue`` sweeps the queue
 at most every ``OVERDUE_SWEEP_S``.
+
+NOTE(class-drain): the prediction models the engine; what it cannot see is how
+the engine's share actually falls to a class over time (the higher classes'
+arrivals are only a mean, NOTE(higher-arrivals)).  At 2x load, with P0 and P1
+taking the whole engine, P2 requests admitted on the model started at 0.5/s and
+three in four of them expired after 10 s (slow 429s).  So each class below P0
+also measures its own queue.  A new request starts behind the ones queued of
+its class (FIFO within a class), so it waits at least as long as the oldest
+of them has (the sojourn time, as in CoDel: it sees a starved class at once),
+and at least ``(queued + 1) / drain``, the *drain rate* being first outputs per
+second of time the class had requests queued (both exponentially weighted over
+``RATE_WINDOW_S``; no start in the window counts as one; it counts once the
+class has been backlogged ``DRAIN_MIN_BACKLOG_S``, weighted, so that a burst on
+an idle server is judged by the model alone).  The prediction is the largest
+of the three.  P0 keeps the model only: its express steps start
+the queued P0s together, which a per-request rate would overstate.
 
 NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
 2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
@@ -80,28 +100,69 @@ __all__ = ["AdmissionController", "Decision"]
 
 _EWMA = 0.1  # weight of a new sample in the measured means
 RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
+FAST_RATE_WINDOW_S = 1.0  # ... of the higher classes' arrival rate seen rising (NOTE(higher-arrivals))
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
+DRAIN_MIN_BACKLOG_S = 1.0  # weighted seconds of backlog before a class's drain rate counts (NOTE(class-drain))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 
 
 class _Rate:
-    """Events per second, exponentially weighted over ``RATE_WINDOW_S``."""
+    """Events per second, exponentially weighted over ``window`` seconds (``RATE_WINDOW_S``)."""
 
-    __slots__ = ("value", "at")
+    __slots__ = ("value", "at", "window")
 
-    def __init__(self) -> None:
+    def __init__(self, window: float = RATE_WINDOW_S) -> None:
         self.value = 0.0
         self.at: float | None = None
+        self.window = window
 
     def read(self, now: float) -> float:
-        return 0.0 if self.at is None else self.value * math.exp(-max(0.0, now - self.at) / RATE_WINDOW_S)
+        return 0.0 if self.at is None else self.value * math.exp(-max(0.0, now - self.at) / self.window)
 
     def tick(self, now: float, amount: float = 1.0) -> None:
-        self.value = self.read(now) + amount / RATE_WINDOW_S
+        self.value = self.read(now) + amount / self.window
         self.at = now
+
+
+class _Drain:
+    """One class's queue: its queued requests in admission order, and first outputs per second of time
+    with any queued (NOTE(class-drain))."""
+
+    __slots__ = ("queued", "starts", "backlog", "at")
+
+    def __init__(self) -> None:
+        self.queued: dict[str, float] = {}  # key -> admitted at, oldest first
+        self.starts = _Rate()  # first outputs per second
+        self.backlog = _Rate()  # seconds with requests queued, per second
+        self.at: float | None = None  # backlog counted up to here
+
+    def _count(self, now: float) -> None:
+        if self.queued and self.at is not None:
+            self.backlog.tick(now, now - self.at)
+        self.at = now
+
+    def add(self, key: str, now: float) -> None:
+        self._count(now)
+        self.queued[key] = now
+
+    def remove(self, key: str, now: float) -> None:
+        self._count(now)
+        self.queued.pop(key, None)
+
+    def wait(self, now: float) -> float:
+        """Seconds until a request queued now starts behind the queued ones: at least the oldest one's
+        age, and, once ``DRAIN_MIN_BACKLOG_S`` of backlog was seen, ``(queued + 1) / drain rate``."""
+        oldest = now - next(iter(self.queued.values())) if self.queued else 0.0
+        backlog = self.backlog.read(now) * RATE_WINDOW_S
+        if self.queued and self.at is not None:
+            backlog += now - self.at
+        if backlog < DRAIN_MIN_BACKLOG_S:
+            return oldest
+        starts = max(1.0, self.starts.read(now) * RATE_WINDOW_S)
+        return max(oldest, (len(self.queued) + 1) * backlog / starts)
 
 
 @dataclass
@@ -156,11 +217,13 @@ class AdmissionController:
         self._num_finished = 0
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
         self._admitted = [_Rate() for _ in Priority]  # admitted requests/s by class
+        self._admitted_fast = [_Rate(FAST_RATE_WINDOW_S) for _ in Priority]  # ... seen rising (NOTE(higher-arrivals))
         self._completed = _Rate()  # finished requests/s
         self._busy = _Rate()  # seconds with work in the engine, per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
+        self._drain = [_Drain() for _ in Priority]  # NOTE(class-drain)
 
     @property
     def num_queued(self) -> int:
@@ -195,18 +258,29 @@ class AdmissionController:
         most ``MAX_HIGHER_LOAD``."""
         now = self._clock()
         done, busy = self._completed.read(now), self._busy.read(now)
-        lam = sum(self._admitted[k].read(now) for k in range(int(priority)))
-        if done <= 0.0 or busy <= 0.0 or lam <= 0.0 or self._busy_since is None:
+        if done <= 0.0 or busy <= 0.0 or self._busy_since is None:
             return 0.0
-        # the busy fraction: busy seconds over the (exponentially weighted) seconds observed
-        observed = 1.0 - math.exp(-max(0.0, now - self._busy_since) / RATE_WINDOW_S)
-        utilization = min(1.0, busy / observed) if observed > 0.0 else 0.0
+        # the share of each average's weight the time since the first stats covers: the 5-s averages
+        # (done, busy, the arrivals) start low together; the 1-s one fills five times faster
+        age = max(0.0, now - self._busy_since)
+        observed, observed_fast = 1.0 - math.exp(-age / RATE_WINDOW_S), 1.0 - math.exp(-age / FAST_RATE_WINDOW_S)
+        if observed <= 0.0:
+            return 0.0
+        lam = sum(max(self._admitted[k].read(now), self._admitted_fast[k].read(now) * observed / observed_fast)
+                  for k in range(int(priority)))  # fmt: skip
+        utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
         return min(MAX_HIGHER_LOAD, lam / done * utilization)
+
+    def drain_wait(self, priority: int) -> float:
+        """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0."""
+        return 0.0 if priority == Priority.P0 else self._drain[priority].wait(self._clock())
 
     def predict(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the
-        higher classes' arrivals while it waits (NOTE(higher-arrivals))."""
-        return predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority))
+        higher classes' arrivals while it waits (NOTE(higher-arrivals)), and no less than its
+        class's queue takes to drain (NOTE(class-drain))."""
+        model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority))
+        return max(model, self.drain_wait(priority))
 
     def load(self) -> EngineLoad:
         """The engine's last stats plus the queued requests sent after them."""
@@ -284,7 +358,9 @@ class AdmissionController:
         now = self._clock()
         self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now, target)
         self._num_tokens += num_tokens
+        self._drain[priority].add(key, now)
         self._admitted[priority].tick(now)
+        self._admitted_fast[priority].tick(now)
         return Decision([e.key for e in victims], predicted, target)
 
     def _predicted_wait(
@@ -343,8 +419,17 @@ class AdmissionController:
             self.remove(k)
         return keys
 
+    def started(self, key: str) -> None:
+        """The request's first output arrived: it leaves the queue, and counts in its class's drain
+        rate (NOTE(class-drain))."""
+        e = self._queued.get(key)
+        if e is not None:
+            self._drain[e.priority].starts.tick(self._clock())
+        self.remove(key)
+
     def remove(self, key: str) -> None:
-        """The request started (first output), finished, or went away."""
+        """The request finished, failed, was shed or went away (or started: ``started``)."""
         e = self._queued.pop(key, None)
         if e is not None:
             self._num_tokens -= e.num_tokens
+            self._drain[e.priority].remove(key, self._clock())

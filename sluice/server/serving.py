@@ -246,7 +246,7 @@ class OpenAIServing:
             choices,
             arrival=ctx.arrival,
             keep_text=not prep.request.stream,
-            on_started=lambda: self.admission.remove(ctx.uid),
+            on_started=lambda: self.admission.started(ctx.uid),
             priority_label=label,
             on_choice_done=lambda c: self._choice_done(ctx, c, label),
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import time
 
@@ -17,6 +18,7 @@ import pytest
 from sluice.engine.protocol import EngineStats
 from sluice.errors import OverloadedError
 from sluice.http_errors import retry_after_header
+from sluice.server import admission
 from sluice.server.admission import AdmissionController
 from sluice.server.slo import MID_STEP_WAIT_S, EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
@@ -118,7 +120,7 @@ def test_p0_sheds_just_enough_queued_p2_newest_first() -> None:
 
 def test_p1_sheds_only_requests_queued_a_moment_ago_p0_any() -> None:
     clock = FakeClock()
-    a = controller("p0=0.2s,p1=0.2s", clock)
+    a = controller("p0=0.2s,p1=0.2s,p2=100s", clock)  # p2: queued 2 s with no start, it still fits (NOTE(class-drain))
     a.observe_stats(stats())
     for i in range(3):
         a.admit(f"p2-{i}", Priority.P2, 116, 100)
@@ -233,13 +235,13 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     load = a.load()
     base = predict_ttft(load, Priority.P2, 100)
     assert a.predict(load, Priority.P2, 100) == pytest.approx(base), "nothing measured yet: the queue alone"
-    for i in range(50):  # 10 s: P0 admitted at 3 req/s and started at once, 4 req/s finished, the engine always busy
+    for i in range(600):  # 30 s: P0 admitted at 60 req/s and started at once, 80 req/s finished, the engine always busy
         for k in range(3):
             a.admit(f"p0-{i}-{k}", Priority.P0, 20, 10)
             a.remove(f"p0-{i}-{k}")
         for _ in range(4):
             a.observe_output_tokens(16)
-        clock.now += 0.2
+        clock.now += 0.05
         a.observe_stats(stats(num_running=3))  # work in the engine all the time
     assert a.higher_load(Priority.P0) == 0.0, "nothing is above P0"
     assert a.higher_load(Priority.P2) == pytest.approx(0.75, rel=0.05)
@@ -309,7 +311,8 @@ def test_while_a_higher_class_is_refused_a_lower_class_is_refused_too() -> None:
     assert a.admit("p2", Priority.P2, 116, 100).predicted_ttft is not None
 
 
-def test_overdue_lower_class_requests_are_shed_p0_never() -> None:
+def test_overdue_lower_class_requests_are_shed_p0_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "DRAIN_MIN_BACKLOG_S", 100.0)  # the sweep alone (NOTE(class-drain) aside)
     clock = FakeClock()
     a = controller("p0=0.1s,p1=0.5s,p2=1s", clock)
     a.observe_stats(stats())
@@ -356,3 +359,96 @@ async def test_an_admitted_request_pushed_back_by_higher_classes_gets_429_not_a_
             "the shed request was aborted in the engine"
         )
     assert 'sluice_admission_rejected_total{priority="p2",reason="expired"} 1.0' in text
+
+
+def test_a_class_that_does_not_drain_is_refused_at_once_whatever_the_model_says() -> None:
+    # NOTE(class-drain): the engine stats show an idle engine, but the queued p2 has not started in 2 s
+    clock = FakeClock()
+    a = controller("p0=0.2s,p1=2s,p2=1s", clock)
+    a.observe_stats(stats())
+    a.admit("p2-a", Priority.P2, 116, 100)
+    clock.now += 0.5
+    assert a.drain_wait(Priority.P2) == pytest.approx(0.5), "too little backlog for a rate: the oldest one's age"
+    a.admit("p2-b", Priority.P2, 116, 100)
+    clock.now += 1.5
+    # 2 s of backlog (1.5 s of it with two queued), no start: at most one per ~1.9 weighted seconds
+    wait = a.drain_wait(Priority.P2)
+    assert 5.0 < wait < 6.0, wait
+    assert predict_ttft(a.load(), Priority.P2, 100) < 1.0, "the model alone would admit it"
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p2-c", Priority.P2, 116, 100)
+    assert e.value.code == "slo_unattainable" and a.num_queued == 2, "refused at arrival, not queued to expire"
+    assert e.value.retry_after is not None and 4.0 < e.value.retry_after < 10.0, "Retry-After: the excess, jittered"
+    assert a.drain_wait(Priority.P0) == 0.0 and a.admit("p0", Priority.P0, 116, 100).target == 0.2, "P0: the model"
+    assert a.drain_wait(Priority.P1) == 0.0, "p1 never queued"
+
+
+def test_a_class_that_drains_fast_is_admitted_on_its_measured_rate() -> None:
+    clock = FakeClock()
+    a = controller("p0=0.2s,p1=0.45s,p2=5s", clock)
+    a.observe_stats(stats())
+    a.admit("p1-0", Priority.P1, 20, 4)
+    for i in range(1, 31):  # 3 s: a p1 arrives and one starts every 0.1 s, one always queued
+        clock.now += 0.1
+        a.admit(f"p1-{i}", Priority.P1, 20, 4)
+        a.started(f"p1-{i - 1}")
+    wait = a.drain_wait(Priority.P1)
+    assert wait == pytest.approx(2 * 0.1, rel=0.05), "one queued ahead, 10 starts a second"
+    assert a.predict(a.load(), Priority.P1, 4) == pytest.approx(wait), "over the model's near-zero wait"
+    a.admit("p1-next", Priority.P1, 20, 4)
+    for i in range(2):  # 0.3 s, 0.4 s
+        a.admit(f"p1-more-{i}", Priority.P1, 20, 4)
+    # 4 queued ahead: 0.5 s, over 0.45 s
+    with pytest.raises(OverloadedError):
+        a.admit("p1-last", Priority.P1, 20, 4)
+    for key in ("p1-30", "p1-next", *(f"p1-more-{i}" for i in range(2))):
+        a.remove(key)  # finished or shed: not starts, the rate is unchanged
+    clock.now += 30.0
+    assert a.drain_wait(Priority.P1) == 0.0, "after 30 s with nothing queued the old backlog no longer counts"
+
+
+def test_a_class_whose_oldest_request_waited_past_the_target_is_refused_at_once() -> None:
+    # the class drained fast until now (its rate still says so), then stops: the oldest one's age tells at once
+    clock = FakeClock()
+    a = controller("p0=0.2s,p1=0.5s,p2=5s", clock)
+    a.observe_stats(stats())
+    for i in range(40):  # 2 s: a p1 every 50 ms, started at once
+        a.admit(f"p1-{i}", Priority.P1, 20, 4)
+        clock.now += 0.05
+        a.started(f"p1-{i}")
+    a.admit("stuck", Priority.P1, 20, 4)
+    clock.now += 0.3
+    a.admit("behind", Priority.P1, 20, 4)  # 0.3 s behind the oldest, within 0.5 s
+    clock.now += 0.3
+    assert a.drain_wait(Priority.P1) == pytest.approx(0.6), "the rate alone would say ~0.2 s"
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p1-new", Priority.P1, 20, 4)
+    assert e.value.code == "slo_unattainable"
+    a.started("stuck")
+    assert a.drain_wait(Priority.P1) < 0.5
+    a.admit("p1-new", Priority.P1, 20, 4)
+
+
+def test_a_surge_of_higher_class_arrivals_counts_within_a_second() -> None:
+    # NOTE(higher-arrivals): the arrival rate is the larger of a 5-s and a 1-s average
+    clock = FakeClock()
+    a = controller("p0=1s,p1=2s,p2=5s", clock)
+
+    def run(seconds: float, p0_per_tick: int) -> None:  # ticks of 50 ms; 20 finished/s; the engine always busy
+        for _ in range(round(seconds / 0.05)):
+            for k in range(p0_per_tick):
+                key = f"p0-{clock.now:.2f}-{k}"
+                a.admit(key, Priority.P0, 20, 10)
+                a.remove(key)
+            a.observe_output_tokens(16)
+            clock.now += 0.05
+            a.observe_stats(stats(num_running=3))
+
+    run(30.0, 0)
+    assert a.higher_load(Priority.P1) == 0.0
+    run(1.0, 1)  # P0 at 20/s for one second: the engine's whole rate
+    rho = a.higher_load(Priority.P1)
+    slow_alone = 1.0 - math.exp(-1.0 / admission.RATE_WINDOW_S)  # what the 5-s average alone would say by now
+    assert rho > 0.6 > 2 * slow_alone, rho
+    run(3.0, 0)  # the surge is over: remembered at the 5-s average's pace (0.1), not the 1-s one's (0.03)
+    assert 0.07 < a.higher_load(Priority.P1) < 0.13
