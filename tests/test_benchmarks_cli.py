@@ -308,3 +308,5 @@ def test_overload_engine_run_reports_every_class_and_counts_express_steps(tmp_pa
     assert runs["off"]["express_steps"] == 0, "--no-express-steps: never an express step"
     assert runs["boundary"]["mid_step_express"] == 0 == runs["off"]["mid_step_express"], "no arrivals hook: none mid-step"
     assert runs["mid-step"]["mid_step_express"] <= runs["mid-step"]["express_steps"]
+    solo = overload_engine.run_load("mid-step", 40.0, 1.0, 8, targets, seed=3, model=model, mix=(1.0, 0.0, 0.0))
+    assert set(solo["classes"]) == {"p0"} and solo["classes"]["p0"]["sent"] == solo["sent"] > 10, "--mix 1,0,0: P0 only"

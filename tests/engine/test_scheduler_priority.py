@@ -416,6 +416,20 @@ def test_engine_caps_the_rows_of_a_step_while_tight_targets_are_about(tiny_llama
     assert engine._row_cap() == 8, "a target too tight for any row: MIN_STEP_ROWS still run"
 
 
+def test_with_mid_step_express_steps_the_rows_may_take_two_thirds_of_the_target(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, max_num_batched_tokens=512)
+    for n in (16, 256) * 4:
+        engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token (a row costs b)
+    engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 20)), sampling=GREEDY,
+                                     priority=0, ttft_target=0.33))  # fmt: skip
+    assert engine._row_cap() == 84, "at step boundaries only: a third of the target"
+    engine.set_arrivals(lambda: None, lambda outs: None)  # as the engine core process does: express steps mid-step
+    # NOTE(row-cap): two thirds of 0.33 s = 220 ms, less the 26-ms step: 194 rows (a P0 does not wait out the step)
+    assert engine._row_cap() in (193, 194)
+    engine.config.express_mid_step = False  # --no-express-mid-step
+    assert engine._row_cap() == 84
+
+
 def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama: Path) -> None:
     engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=32)
     for i in range(12):
