@@ -2,6 +2,8 @@
 
     python benchmarks/overload_engine.py                 # ~3 minutes on 2 cores
     python benchmarks/overload_engine.py --step-s 5      # smoke
+    python benchmarks/overload_engine.py --loads 1 --mix 1,0,0 --section overload_engine_p0
+        # P0 alone at 1x: the 5x step of overload.py once admission has shed every lower class
 
 ``benchmarks/overload.py`` measures through HTTP with the load generator on
 the same 2 cores, where the API process and the client add tens of
@@ -90,13 +92,13 @@ def capacity(concurrency: int, seconds: float, targets: tuple[float, ...], model
 
 
 def run_load(mode: str, rate: float, seconds: float, concurrency: int, targets: tuple[float, ...],
-             seed: int, model: str = "smollm2") -> dict[str, Any]:  # fmt: skip
+             seed: int, model: str = "smollm2", mix: tuple[float, ...] = MIX) -> dict[str, Any]:  # fmt: skip
     engine = _engine(mode != "off", concurrency, model)
     rng = random.Random(seed)
     arrivals: list[tuple[float, int]] = []
     t = 0.0
     while (t := t + rng.expovariate(rate)) < seconds:
-        arrivals.append((t, rng.choices(range(3), MIX)[0]))
+        arrivals.append((t, rng.choices(range(3), mix)[0]))
     sent: dict[str, tuple[float, int]] = {}
     first: dict[str, float] = {}
     steps: list[float] = []
@@ -160,15 +162,24 @@ def main() -> None:
     ap.add_argument("--p0-target", type=float, default=0.07, help="P0's TTFT target (s): ~4x the lone TTFT over HTTP")
     ap.add_argument("--loads", default="1,3", help="multiples of the capacity")
     ap.add_argument("--model", default="smollm2", help="what the engine loads (default: the embedded SmolLM2)")
+    ap.add_argument("--mix", default="0.2,0.3,0.5", help="P0,P1,P2 shares of the open-loop arrivals")
+    ap.add_argument("--section", default="overload_engine", help="the docs/benchmarks.md section written")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     targets = (args.p0_target, 2.0, 5.0)
+    try:
+        mix = tuple(float(x) for x in args.mix.split(","))
+    except ValueError:
+        raise SystemExit(f"--mix: expected three shares like 0.2,0.3,0.5, got {args.mix!r}") from None
+    if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
+        raise SystemExit(f"--mix: expected three non-negative shares like 0.2,0.3,0.5, got {args.mix!r}")
     cap = capacity(args.concurrency, args.calibrate_s, targets, args.model)
     print(f"capacity {cap:.1f} req/s", flush=True)
     results = []
     for mult in (float(x) for x in args.loads.split(",")):
         for mode in MODES:
-            r = run_load(mode, mult * cap, args.step_s, args.concurrency, targets, seed=int(mult * 10), model=args.model)
+            r = run_load(mode, mult * cap, args.step_s, args.concurrency, targets, seed=int(mult * 10), model=args.model,
+                         mix=mix)  # fmt: skip
             r["load"] = mult
             results.append(r)
             p0 = r["classes"].get("p0", {})
@@ -189,13 +200,16 @@ def main() -> None:
     table = markdown_table(headers, rows)
     print(table)
     if not args.no_write:
-        body = (f"## Overload, the engine alone (`benchmarks/overload_engine.py`)\n\n"
-                f"`python benchmarks/overload_engine.py` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
-                f"nothing is shed). Capacity {cap:.1f} req/s (closed loop of {args.concurrency}); open-loop "
-                f"Poisson for {args.step_s:g} s per load, 20/30/50% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
+        shares = "/".join(f"{100 * x / sum(mix):g}" for x in mix)
+        cmd = " ".join(["python benchmarks/overload_engine.py", *sys.argv[1:]])
+        title = "" if mix == MIX else f", arrivals {shares}% P0/P1/P2"
+        body = (f"## Overload, the engine alone{title} (`benchmarks/overload_engine.py`)\n\n"
+                f"`{cmd}` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
+                f"nothing is shed). Capacity {cap:.1f} req/s (closed loop of {args.concurrency}, the 20/30/50% class mix); open-loop "
+                f"Poisson for {args.step_s:g} s per load, {shares}% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
                 f"tokens; targets P0 {args.p0_target:g} s, P1 2 s, P2 5 s. TTFT: arrival to the end of the step "
                 f"with the first token (for a mid-step express step: when it was published, mid-step). Express steps mid-step (as in `sluice serve`), at step boundaries only, and off run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
-        write_section("overload_engine", body)
+        write_section(args.section, body)
     print_json_last({"benchmark": "overload_engine", "capacity_rps": cap, "results": results})
 
 
