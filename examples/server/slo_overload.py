@@ -6,7 +6,10 @@
 It starts the server with small step limits and explicit targets
 (``--slo p0=1s,p1=2s,p2=3s``), sends 60 p2 requests at once and then 5 p0
 requests, and prints what each class got and the server's own view of it
-(``/metrics``: predicted TTFT, rejections, attainment).
+(``/metrics``: predicted TTFT, rejections, attainment).  With the real engine
+the p0 requests preempt running p2 work and meet their 1 s target (5 of 5 on a
+2-core machine); the fake engine only gives p0 the next free slot, without
+preempting, so there the p0s are served but wait for a slot past their target.
 """
 
 from __future__ import annotations
