@@ -15,7 +15,7 @@ comparable with the engine's).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -322,6 +322,12 @@ class EngineCoreProtocol(Protocol):
 
     def step(self) -> list[EngineOutput]:
         """Run one step: schedule -> execute -> update."""
+
+    def set_arrivals(
+        self, take_arrivals: Callable[[], None], publish: Callable[[list[EngineOutput]], None]
+    ) -> None:
+        """Let a step take arrivals while it runs and publish early outputs (NOTE(mid-step-express) in
+        sluice.engine.core); the engine core process calls it once, before the first step."""
 
     def make_stats(self) -> EngineStats: ...
 

@@ -123,8 +123,7 @@ def run_engine_core(
     def publish_early(outputs: list[EngineOutput]) -> None:
         push.send_multipart(encode(Kind.OUTPUTS, EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())))
 
-    if hasattr(engine, "set_arrivals"):
-        engine.set_arrivals(take_arrivals, publish_early)
+    engine.set_arrivals(take_arrivals, publish_early)
     while not stopping:
         for kind, payload in held:
             handle(kind, payload)
