@@ -310,3 +310,52 @@ def test_overload_engine_run_reports_every_class_and_counts_express_steps(tmp_pa
     assert runs["mid-step"]["mid_step_express"] <= runs["mid-step"]["express_steps"]
     solo = overload_engine.run_load("mid-step", 40.0, 1.0, 8, targets, seed=3, model=model, mix=(1.0, 0.0, 0.0))
     assert set(solo["classes"]) == {"p0"} and solo["classes"]["p0"]["sent"] == solo["sent"] > 10, "--mix 1,0,0: P0 only"
+
+
+# ---------------------------------------------------------------- overload_repeat
+
+
+def test_overload_repeat_reads_labelled_gauges_and_ignores_prefixes() -> None:
+    from benchmarks import overload_repeat
+
+    text = "\n".join([
+        "# HELP sluice_num_requests_waiting_by_priority Waiting.",
+        'sluice_num_requests_waiting_by_priority{priority="p1"} 4.0',
+        'sluice_num_requests_waiting_by_priority_extra{priority="p1"} 9.0',
+        'sluice_predicted_ttft_seconds{priority="p2"} 12.5',
+        "sluice_num_requests_waiting 7.0",
+    ])  # fmt: skip
+    got = overload_repeat._gauges(text, overload_repeat._TIMELINE)
+    assert got == {'sluice_num_requests_waiting_by_priority{priority="p1"}': 4.0,
+                   'sluice_predicted_ttft_seconds{priority="p2"}': 12.5}  # fmt: skip
+
+
+def test_overload_repeat_timeline_counts_misses_and_late_admissions_per_second() -> None:
+    from benchmarks import overload, overload_repeat
+
+    targets = {"p0": 0.08, "p1": 2.0, "p2": 5.0}
+    records = [
+        overload.Record("p0", 0.1, 200, ttft=0.05),  # within
+        overload.Record("p0", 0.5, 200, ttft=0.2),  # late: a miss
+        overload.Record("p0", 0.9, 429),  # shed: a miss
+        overload.Record("p1", 0.2, 200, ttft=2.5),  # served, late
+        overload.Record("p1", 0.3, 429),
+        overload.Record("p1", 1.2, 200, ttft=0.4),
+    ]
+    g = 'sluice_num_requests_waiting_by_priority{priority="p1"}'
+    samples = [(0.0, {g: 2.0}), (0.5, {g: 4.0}), (1.1, {g: 1.0})]
+    lines = overload_repeat._timeline(samples, records, targets).splitlines()
+    second0 = [c.strip() for c in lines[2].strip("|").split("|")]
+    second1 = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert second0[:6] == ["0", "3", "2", "2", "1", "1"], second0
+    assert second0[7] == "3.0", "the mean of the second's samples"
+    assert second1[:6] == ["1", "0", "0", "1", "1", "0"], second1
+
+
+def test_overload_repeat_children_include_the_process_itself() -> None:
+    import os
+
+    from benchmarks import overload_repeat
+
+    assert overload_repeat._children(os.getpid())[0] == os.getpid()
+    assert overload_repeat._cpu_seconds(os.getpid()) > 0.0

@@ -1,0 +1,209 @@
+"""One overload step, repeated: how much a run of `benchmarks/overload.py` moves, and where the CPU goes (issue 11).
+
+    python benchmarks/overload_repeat.py                       # 3x of 38 req/s, seeds 0,0,1, 30 s each: ~3 minutes
+    python benchmarks/overload_repeat.py --rate 0 --mult 3     # 3x of the capacity measured first
+    python benchmarks/overload_repeat.py --timeline            # also a per-second table of each run
+
+``overload.py`` runs each load once; its 3x goodput and P0 attainment are
+single samples.  This script starts one ``sluice serve`` (default settings)
+and runs the same open-loop Poisson step several times (``--seeds``: the same
+seed twice is the same arrival sequence, so a spread between those two runs
+is the machine's and the server's own), with the class mix, prompts, output
+length and SLA targets of ``overload.py``.  Per run: P0 attainment and TTFT p99,
+P1 served and within target per second, goodput, and the CPU each process
+took (the engine core process, the API process, this load generator; from
+/proc, in % of one core: the engine's OpenMP threads spin while they wait,
+so its share is an upper bound of its work).  ``--timeline`` adds, per second
+of each run, the engine's waiting requests by class and the admission's
+predicted TTFT by class (``/metrics`` sampled every 0.1 s) beside what the
+clients saw.  Writes section ``overload_repeat`` of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overload as ov  # noqa: E402
+from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLK
+
+
+def _children(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    parent: dict[int, int] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                parent[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
+def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        for n in names:
+            if line.startswith(n + "{") or line.startswith(n + " "):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+    return out
+
+
+_TIMELINE = ("sluice_num_requests_waiting_by_priority", "sluice_predicted_ttft_seconds")
+
+
+async def _sample(url: str, t0: float, into: list[tuple[float, dict[str, float]]]) -> None:
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            into.append((time.perf_counter() - t0, _gauges(text, _TIMELINE)))
+            await asyncio.sleep(0.1)
+
+
+def _timeline(samples: list[tuple[float, dict[str, float]]], records: list[ov.Record],
+              targets: dict[str, float]) -> str:  # fmt: skip
+    by_sec: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
+    for t, g in samples:
+        by_sec[int(t)].append(g)
+    rows = []
+    for sec in sorted(by_sec):
+        g = by_sec[sec]
+
+        def mean(metric: str, c: str, g: list[dict[str, float]] = g) -> float:
+            return sum(x.get(f'{metric}{{priority="{c}"}}', 0.0) for x in g) / len(g)
+
+        rs = [r for r in records if int(r.start) == sec]
+        p0 = [r for r in rs if r.priority == "p0"]
+        p1 = [r for r in rs if r.priority == "p1"]
+        rows.append([sec, len(p0), sum(1 for r in p0 if not r.is_served or (r.ttft or 0) > targets["p0"]),
+                     len(p1), sum(1 for r in p1 if r.is_served),
+                     sum(1 for r in p1 if r.is_served and (r.ttft or 0) > targets["p1"]),
+                     *(f"{mean(_TIMELINE[0], c):.1f}" for c in ov.CLASSES),
+                     *(f"{mean(_TIMELINE[1], c):.2f}" for c in ("p1", "p2"))])  # fmt: skip
+    return markdown_table(["s", "p0 sent", "p0 missed", "p1 sent", "p1 admitted+served", "p1 late",
+                           "engine waiting p0", "p1", "p2", "predicted TTFT p1 (s)", "p2 (s)"], rows)  # fmt: skip
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    ns = argparse.Namespace(sluice_args=args.sluice_args)
+    with ov.start_server("sluice", ns) as server:
+        lone = await ov.lone_ttft(server, args.max_tokens)
+        cap = args.rate or await ov.capacity(server, args.concurrency, args.calibrate_s, args.max_tokens, 0)
+        rate = args.mult * cap
+        targets = ov.targets_for(lone)
+        print(f"lone TTFT {lone * 1000:.0f} ms, {'given' if args.rate else 'measured'} capacity {cap:.2f} req/s, "
+              f"{args.mult:g}x = {rate:.1f} req/s; targets " + ", ".join(f"{c} {t:.3f}s" for c, t in targets.items()),
+              file=sys.stderr)  # fmt: skip
+        engine = [p for p in _children(server.procs[0].pid) if p != server.procs[0].pid]
+        runs = []
+        for k, seed in enumerate(args.seeds):
+            before = {p: _cpu_seconds(p) for p in [server.procs[0].pid, *engine]}
+            me, t0 = time.process_time(), time.perf_counter()
+            samples: list[tuple[float, dict[str, float]]] = []
+            sampler = asyncio.create_task(_sample(server.url, t0, samples)) if args.timeline else None
+            records, health = await ov.load_step(server, rate, args.step_s, args.max_tokens, seed, args.timeout)
+            if sampler is not None:
+                sampler.cancel()
+            wall = time.perf_counter() - t0
+            api = (_cpu_seconds(server.procs[0].pid) - before[server.procs[0].pid]) / wall
+            eng = sum(_cpu_seconds(p) - before[p] for p in engine) / wall
+            s = ov.summarize(records, health, targets, args.step_s)
+            p0, p1 = s["classes"]["p0"], s["classes"]["p1"]
+            p1_served = sum(1 for r in records if r.priority == "p1" and r.is_served) / args.step_s
+            p1_sent = sum(1 for r in records if r.priority == "p1")
+            run_ = {"run": k + 1, "seed": seed, "p0_attainment": p0["attainment"], "p0_ttft_p99_s": p0["ttft_p99_s"],
+                    "p1_served_rps": p1_served, "p1_within_rps": (p1["attainment"] or 0.0) * p1_sent / args.step_s,
+                    "goodput_rps": s["goodput_rps"], "cpu_engine": eng, "cpu_api": api,
+                    "cpu_client": (time.process_time() - me) / wall}  # fmt: skip
+            runs.append(run_)
+            print(f"  run {k + 1} (seed {seed}): P0 {p0['attainment']:.1%}, P1 served {p1_served:.1f}/s, goodput "
+                  f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%}",
+                  file=sys.stderr)  # fmt: skip
+            if args.timeline:
+                run_["timeline"] = _timeline(samples, records, targets)
+                print(run_["timeline"], file=sys.stderr)
+            await asyncio.sleep(args.pause_s)
+    return {"lone_ttft_s": lone, "capacity_rps": cap, "rate_rps": rate, "targets_s": targets, "runs": runs}
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [[r["run"], r["seed"], f"{(r['p0_attainment'] or 0):.1%}", ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
+             f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
+             f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}"] for r in result["runs"]]  # fmt: skip
+    return markdown_table(["run", "seed", "P0 attainment", "P0 TTFT p99 (ms)", "P1 served (req/s)",
+                           "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client"],
+                          rows)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=38.0, help="the capacity the load is a multiple of (req/s); "
+                    "0: measure it first (closed loop, as overload.py)")  # fmt: skip
+    ap.add_argument("--mult", type=float, default=3.0, help="the load, a multiple of --rate")
+    ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 0, 1],
+                    help="one run per seed, in order (default 0,0,1: one arrival sequence twice, then another)")
+    ap.add_argument("--step-s", type=float, default=30.0)
+    ap.add_argument("--calibrate-s", type=float, default=20.0)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--pause-s", type=float, default=3.0)
+    ap.add_argument("--sluice-args", default="", help="extra `sluice serve` flags")
+    ap.add_argument("--timeline", action="store_true", help="per-second table of each run (printed, and in the doc)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
+    t_start = time.monotonic()
+    result = asyncio.run(run(args))
+    text = table(result)
+    print(text, flush=True)
+    if not args.no_write:
+        tgt = "/".join(f"{result['targets_s'][c]:.3f}" for c in ov.CLASSES)
+        body = (
+            "## Overload, one step repeated (`benchmarks/overload_repeat.py`)\n\n"
+            f"`python benchmarks/overload_repeat.py{' --timeline' if args.timeline else ''}`: one `sluice serve` "
+            f"(default settings), open-loop Poisson at {result['rate_rps']:.1f} req/s ({args.mult:g}x of "
+            f"{result['capacity_rps']:.1f} req/s, {'given' if args.rate else 'measured'}) for {args.step_s:g} s, "
+            f"{len(result['runs'])} runs with seeds {','.join(map(str, args.seeds))} (one seed = one arrival "
+            "sequence), the class mix, prompts and targets of `overload.py` (lone TTFT "
+            f"{result['lone_ttft_s'] * 1000:.0f} ms, targets p0/p1/p2 {tgt} s). CPU in % of one core, from /proc, "
+            "over the run (the engine's OpenMP threads spin while they wait: an upper bound of its work).\n\n"
+            f"{text}\n"
+            + "".join(f"\nRun {r['run']}, per second:\n\n{r['timeline']}\n" for r in result["runs"] if "timeline" in r)
+            + f"\n{machine_line()}\n"
+        )
+        write_section("overload_repeat", body)
+    print_json_last({"benchmark": "overload_repeat", "wall_s": round(time.monotonic() - t_start, 1),
+                     **{k: v for k, v in result.items() if k != "runs"},
+                     "runs": [{k: v for k, v in r.items() if k != "timeline"} for r in result["runs"]]})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
