@@ -488,18 +488,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--targets", default="sluice,gateway,vllm", help="comma-separated: sluice, gateway, vllm")
-    ap.add_argument("--step-s", type=float, default=60.0, help="seconds per load step")
-    ap.add_argument("--loads", type=lambda v: tuple(float(x) for x in v.split(",")), default=MULTIPLIERS,
-                    help="comma-separated multiples of the capacity, e.g. 1,3 (default 0.5,1,2,3,5)")
+def add_load_args(ap: argparse.ArgumentParser) -> None:
+    """The client and server flags shared with ``overload_repeat.py``."""
     ap.add_argument("--calibrate-s", type=float, default=20.0, help="seconds of the closed capacity loop")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop users (= the servers' max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=60.0, help="client timeout per request (s)")
     ap.add_argument("--pause-s", type=float, default=3.0, help="pause between steps (s)")
     ap.add_argument("--sluice-args", default="", help="extra `sluice serve` flags (default: none, the defaults)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", default="sluice,gateway,vllm", help="comma-separated: sluice, gateway, vllm")
+    ap.add_argument("--step-s", type=float, default=60.0, help="seconds per load step")
+    ap.add_argument("--loads", type=lambda v: tuple(float(x) for x in v.split(",")), default=MULTIPLIERS,
+                    help="comma-separated multiples of the capacity, e.g. 1,3 (default 0.5,1,2,3,5)")
+    add_load_args(ap)
     ap.add_argument("--vllm-python", default=str(ROOT / ".peers" / "vllm" / "bin" / "python"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true", help="print only: no docs section, no PNG")

@@ -170,12 +170,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 0, 1],
                     help="one run per seed, in order (default 0,0,1: one arrival sequence twice, then another)")
     ap.add_argument("--step-s", type=float, default=30.0)
-    ap.add_argument("--calibrate-s", type=float, default=20.0)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--pause-s", type=float, default=3.0)
-    ap.add_argument("--sluice-args", default="", help="extra `sluice serve` flags")
+    ov.add_load_args(ap)
     ap.add_argument("--timeline", action="store_true", help="per-second table of each run (printed, and in the doc)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
