@@ -38,6 +38,7 @@ CASES = [
     (64, 128, 4, 64, 8, False, True),  # Q4_0-like, group 64
     (48, 96, 8, 32, 128, False, True),  # Q8_0-like: full 8-bit range
     (33, 128, 6, 16, 32, False, False),  # Q6_K-like: groups of 16, fp32 scales
+    (40, 96, 4, 16, 0, True, True),  # 4-bit in groups of 16 (a GPTQ/AWQ group_size 16)
     (32, 64, 5, 32, 0, True, False),  # Q5_K-like
     (16, 256, 8, 256, 0, True, True),  # per-channel int8
 ]

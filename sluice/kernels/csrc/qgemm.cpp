@@ -185,9 +185,22 @@ TGT_AVX512 static inline __m512 load16(const void* base, int64_t idx) {
     return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
 }
 
+// NOTE(chains): vpdpbusd has a latency of ~5 cycles and a throughput of ~1 per
+// cycle, so one accumulator chain per row leaves a 1-row pass 5x slower than its
+// issue rate (a lone 13-token prefill is 4+4+4+1 rows).  Each row therefore keeps
+// NA int32 accumulators (more when R is small); the products land in them
+// round-robin and are added afterwards.  Integer sums are exact, so the result is
+// the same whatever NA is: batch invariance and the ISA-independence hold.
+template <int R>
+constexpr int zmm_chains() {
+  return R >= 6 ? 1 : (R >= 3 ? 2 : 4);
+}
+
 template <int R, int MODE, bool F16>
 TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
   constexpr int64_t bb = MODE == kW4 ? 256 : 512;
+  // split groups (G = 16, 8-bit only) need the two half blocks apart: at least 2 chains
+  constexpr int NA0 = zmm_chains<R>();
   const int64_t K = a.K, KB = w.KB;
   const bool split = w.G == 16;
   const int8_t* xrow[R];
@@ -195,33 +208,7 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.data + tile * KB * bb;
-  for (int64_t kb = 0; kb < KB; ++kb, wp += bb) {
-    __m512i is0[R], is1[R];
-    for (int r = 0; r < R; ++r) is0[r] = is1[r] = _mm512_setzero_si512();
-    if constexpr (MODE == kW4) {
-      const __m512i mask = _mm512_set1_epi8(0x0f);
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(wp + c * 64);
-        const __m512i lo = _mm512_and_si512(v, mask);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = xrow[r] + kb * kBlock + 8 * c;
-          is0[r] = _mm512_dpbusd_epi32(is0[r], lo, _mm512_set1_epi32(load_i32(xq)));
-          is0[r] = _mm512_dpbusd_epi32(is0[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
-        }
-      }
-    } else {
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_loadu_si512(wp + c * 64);
-        for (int r = 0; r < R; ++r) {
-          const __m512i xb = _mm512_set1_epi32(load_i32(xrow[r] + kb * kBlock + 4 * c));
-          if (split && c >= 4)
-            is1[r] = _mm512_dpbusd_epi32(is1[r], v, xb);
-          else
-            is0[r] = _mm512_dpbusd_epi32(is0[r], v, xb);
-        }
-      }
-    }
+  auto epilogue = [&](int64_t kb, const __m512i* s0, const __m512i* s1) TGT_AVX512 {
     if (!split) {
       const int64_t g = kb * kBlock / w.G;
       const __m512 d = load16<F16>(w.scale, sidx(w, tile, g));
@@ -229,7 +216,7 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[m * KB + kb]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is0[r]), ddx, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), ddx, acc[r]);
         acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.dxs[m * KB + kb]), acc[r]);
       }
     } else {
@@ -240,12 +227,54 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m512 dx = _mm512_set1_ps(a.dx[m * KB + kb]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is0[r]), _mm512_mul_ps(d0, dx), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is1[r]), _mm512_mul_ps(d1, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dx), acc[r]);
         acc[r] = _mm512_fmadd_ps(n0, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb]), acc[r]);
         acc[r] = _mm512_fmadd_ps(n1, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb + 1]), acc[r]);
       }
     }
+  };
+  // half block h (k 0..15 | 16..31: 4-bit chunks 0-1 | 2-3, 8-bit chunks 0-3 | 4-7)
+  // uses chains h*H .. h*H+H-1, kept apart only for split groups (G = 16)
+  constexpr int H = NA0 >= 2 ? NA0 / 2 : 1, NA = 2 * H;
+  constexpr int NC = MODE == kW4 ? 4 : 8;  // 64-byte chunks per block
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  for (int64_t kb = 0; kb < KB; ++kb, wp += bb) {
+    __m512i is[NA][R];
+    for (int j = 0; j < NA; ++j)
+      for (int r = 0; r < R; ++r) is[j][r] = _mm512_setzero_si512();
+    // NOTE(unroll): the chain index must be a constant for is[][] to stay in registers
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m512i v = _mm512_loadu_si512(wp + c * 64);
+      const int half = c >= NC / 2 ? H : 0;
+      if constexpr (MODE == kW4) {  // low nibbles k = 8c..8c+3, high nibbles 8c+4..8c+7
+        const __m512i lo = _mm512_and_si512(v, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        const int j0 = half + (2 * c) % H, j1 = half + (2 * c + 1) % H;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = xrow[r] + kb * kBlock + 8 * c;
+          is[j0][r] = _mm512_dpbusd_epi32(is[j0][r], lo, _mm512_set1_epi32(load_i32(xq)));
+          is[j1][r] = _mm512_dpbusd_epi32(is[j1][r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+        }
+      } else {  // 8-bit: u8 x s8 with int32 accumulation never saturates, all 8-bit modes alike
+        const int j = half + c % H;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = _mm512_set1_epi32(load_i32(xrow[r] + kb * kBlock + 4 * c));
+          is[j][r] = _mm512_dpbusd_epi32(is[j][r], v, xb);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 1; j < H; ++j) {
+        is[0][r] = _mm512_add_epi32(is[0][r], is[j][r]);
+        is[H][r] = _mm512_add_epi32(is[H][r], is[H + j][r]);
+      }
+      if (!split) is[0][r] = _mm512_add_epi32(is[0][r], is[H][r]);
+    }
+    epilogue(kb, is[0], is[H]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, acc[r]);
 }
@@ -272,6 +301,11 @@ INSTANTIATE(1)
 INSTANTIATE(2)
 INSTANTIATE(3)
 INSTANTIATE(4)
+// AVX-512 has 32 vector registers: up to 8 rows share one unpacked weight tile
+template void tile_avx512<5>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+template void tile_avx512<6>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+template void tile_avx512<7>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+template void tile_avx512<8>(const ActQ&, int64_t, const WPack&, int64_t, float*);
 
 }  // namespace sluice
 
@@ -368,12 +402,18 @@ namespace sluice {
 
 using TileFn = void (*)(const ActQ&, int64_t, const WPack&, int64_t, float*);
 
+constexpr int kMaxRows = 8;
+
+// rows one tile call serves on a path: 8 with AVX-512's 32 registers, else 4
+static int max_rows(int path) { return path == kAvx512Vnni ? kMaxRows : 4; }
+
 static TileFn pick(int path, int r) {
-  static const TileFn table[4][4] = {
+  static const TileFn table[4][kMaxRows] = {
       {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
       {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>},
       {tile_avxvnni<1>, tile_avxvnni<2>, tile_avxvnni<3>, tile_avxvnni<4>},
-      {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>},
+      {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>, tile_avx512<5>, tile_avx512<6>,
+       tile_avx512<7>, tile_avx512<8>},
   };
   return table[path][r - 1];
 }
@@ -419,7 +459,9 @@ static inline void store_tile(const float* res, int r, int64_t m0, int64_t tile,
 
 void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
               const float* resid, int64_t ldr, int path) {
-  const TileFn fns[4] = {pick(path, 1), pick(path, 2), pick(path, 3), pick(path, 4)};
+  const int rmax = max_rows(path);
+  TileFn fns[kMaxRows] = {};
+  for (int r = 1; r <= rmax; ++r) fns[r - 1] = pick(path, r);
   // NOTE(parallel): tiles of output channels are split across threads; the K
   // reduction of one element is never split, so the thread count cannot change it.
   // NOTE(m-blocking): rows are taken 64 at a time so their quantized activations
@@ -427,7 +469,7 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
   constexpr int64_t kRowBlock = 64, kTileGroup = 8;
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * std::min<int64_t>(M, kRowBlock)));
   at::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
-    alignas(64) float res[4 * kTile];
+    alignas(64) float res[kMaxRows * kTile];
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t me = std::min<int64_t>(M, mb + kRowBlock);
       // NOTE(tile-groups): a row's outputs for 8 consecutive tiles are written together
@@ -435,8 +477,8 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
       // touch a new page for every 64 bytes it writes.
       for (int64_t tg = t0; tg < t1; tg += kTileGroup) {
         const int64_t te = std::min<int64_t>(t1, tg + kTileGroup);
-        for (int64_t m0 = mb; m0 < me; m0 += 4) {
-          const int r = (int)std::min<int64_t>(4, me - m0);
+        for (int64_t m0 = mb; m0 < me; m0 += rmax) {
+          const int r = (int)std::min<int64_t>(rmax, me - m0);
           for (int64_t tile = tg; tile < te; ++tile) {
             fns[r - 1](a, m0, w, tile, res);
             store_tile(res, r, m0, tile, w.N, out, ldo, col0, bias, resid, ldr);
