@@ -351,7 +351,7 @@ def load_lora(path: str | Path, model: LlamaForCausalLM, *, max_rank: int | None
     adapter = LoRAAdapter(name or p.name, str(p), pcfg, rank, layers, digest, num_file_bytes)
     adapter.num_bytes = sum(s.nbytes for layer in layers for s in layer.seams.values())
     if lora_ext is not None and plan is not None:
-        adapter.isa = 0 if plan.default == ql.Path.SCALAR else 2 if plan.default == ql.Path.AVX512VNNI else 1
+        adapter.isa = 0 if plan.default == ql.Path.SCALAR else 2 if plan.default in (ql.Path.AVX512VNNI, ql.Path.AMX) else 1
     return adapter
 
 

@@ -429,6 +429,7 @@ bool path_supported(int path) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vnni");
+    case kAmx: return path_supported(kAvx512Vnni) && amx_ready();
     default: return false;
   }
 }
@@ -459,6 +460,12 @@ static inline void store_tile(const float* res, int r, int64_t m0, int64_t tile,
 
 void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo, int64_t col0, const float* bias,
               const float* resid, int64_t ldr, int path) {
+  if (path == kAmx) {
+    run_gemm_amx(a, M, w, [&](const float* res, int r, int64_t m0, int64_t tile) {
+      store_tile(res, r, m0, tile, w.N, out, ldo, col0, bias, resid, ldr);
+    });
+    return;
+  }
   const int rmax = max_rows(path);
   TileFn fns[kMaxRows] = {};
   for (int r = 1; r <= rmax; ++r) fns[r - 1] = pick(path, r);
@@ -503,8 +510,8 @@ namespace sluice {
 
 void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, int64_t N, int64_t K, float* out,
                     int64_t ldo, int64_t col0, const float* bias, const float* resid, int64_t ldr, int path) {
-  // every int path implies its float ISA: scalar -> scalar, avx2/avxvnni -> avx2, avx512vnni -> avx512
-  const int isa = path == kScalar ? 0 : (path == kAvx512Vnni ? 2 : 1);
+  // every int path implies its float ISA: scalar -> scalar, avx2/avxvnni -> avx2, avx512vnni/amx -> avx512
+  const int isa = path == kScalar ? 0 : (path == kAvx512Vnni || path == kAmx ? 2 : 1);
   const int64_t NT = (N + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K * M / 16));
   at::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {

@@ -30,10 +30,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 namespace sluice {
 
-enum Path : int { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+enum Path : int { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmx = 4 };
 
 // storage modes
 enum Mode : int { kW4 = 0, kW8 = 1, kW8Small = 2 };  // kW8Small: every q < 128 (Q5_K, Q6_K)
@@ -77,6 +78,13 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
 // The same for float32 weights packed [N/16][K][16] (batch invariant, unlike BLAS)
 void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, int64_t N, int64_t K, float* out,
                     int64_t ldo, int64_t col0, const float* bias, const float* resid, int64_t ldr, int path);
+
+// The AMX path (qgemm_amx.cpp): whether this CPU has it and the kernel granted the
+// tile state to this process (asked once), and its GEMM, which hands each R x 16
+// block of results (res, R, m0, tile) to `store`.
+bool amx_ready();
+using StoreFn = std::function<void(const float* res, int r, int64_t m0, int64_t tile)>;
+void run_gemm_amx(const ActQ& a, int64_t M, const WPack& w, const StoreFn& store);
 
 // Compute R rows (m0..m0+R-1) x one tile of 16 channels; res: R x 16 floats.
 template <int R>

@@ -24,6 +24,7 @@ std::vector<std::string> cpu_features() {
     f.push_back("avx512");
   if (__builtin_cpu_supports("avx512vnni")) f.push_back("avx512vnni");
   if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
+  if (sluice::amx_ready()) f.push_back("amx");  // AMX-INT8 with the tile state granted
   return f;
 }
 
