@@ -27,6 +27,17 @@ def test_greedy_takes_argmax() -> None:
     assert set(_draws(LOGITS, 20, temperature=0.0)) == {0}
 
 
+def test_greedy_rows_take_the_first_maximal_index_alone_or_among_sampled_rows() -> None:
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randint(0, 4, (6, 50), generator=g).float()  # many ties per row
+    first_max = [int(torch.nonzero(r == r.max())[0]) for r in logits]
+    all_greedy, _ = Sampler(seed=1)(logits.clone(), [_row(temperature=0.0) for _ in range(6)])
+    assert all_greedy == first_max
+    mixed_rows = [_row(temperature=0.0) if i % 2 == 0 else _row(temperature=1.0) for i in range(6)]
+    mixed, _ = Sampler(seed=1)(logits.clone(), mixed_rows)
+    assert [mixed[i] for i in (0, 2, 4)] == [first_max[i] for i in (0, 2, 4)]
+
+
 def test_top_k_limits_support() -> None:
     assert set(_draws(LOGITS, top_k=2)) == {0, 1}, "top_k=2 must only ever draw the two best tokens"
 
