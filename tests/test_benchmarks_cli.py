@@ -359,3 +359,17 @@ def test_overload_repeat_children_include_the_process_itself() -> None:
 
     assert overload_repeat._children(os.getpid())[0] == os.getpid()
     assert overload_repeat._cpu_seconds(os.getpid()) > 0.0
+
+
+def test_kernel_paths_keeps_each_columns_best_round_and_compares_with_the_first_plan() -> None:
+    from benchmarks import kernel_paths as kp
+
+    best: dict[str, dict[str, float]] = {}
+    a = dict(zip(kp.COLUMNS, [8.0, 12.0, 16.0, 50.0]))
+    kp.keep_best(best, "auto", a)
+    kp.keep_best(best, "auto", dict(zip(kp.COLUMNS, [9.0, 11.0, 17.0, 52.0])))
+    kp.keep_best(best, "avx2", dict(zip(kp.COLUMNS, [10.0, 22.0, 34.0, 100.0])))
+    assert best["auto"] == dict(zip(kp.COLUMNS, [8.0, 11.0, 16.0, 50.0]))
+    rows = kp.table_rows(["auto", "avx2"], best, {"auto": "amx+avx512vnni", "avx2": "avx2"})
+    assert rows[0] == ["auto", "amx+avx512vnni", "8.00", "11.00", "16.00", "50.00", "1.00x"]
+    assert rows[1][-1] == "2.00x"
