@@ -188,19 +188,17 @@ TGT_AVX512 static inline __m512 load16(const void* base, int64_t idx) {
 // NOTE(chains): vpdpbusd has a latency of ~5 cycles and a throughput of ~1 per
 // cycle, so one accumulator chain per row leaves a 1-row pass 5x slower than its
 // issue rate (a lone 13-token prefill is 4+4+4+1 rows).  Each row therefore keeps
-// NA int32 accumulators (more when R is small); the products land in them
+// NA int32 accumulators (4 for 1-2 rows, else 2); the products land in them
 // round-robin and are added afterwards.  Integer sums are exact, so the result is
 // the same whatever NA is: batch invariance and the ISA-independence hold.
 template <int R>
 constexpr int zmm_chains() {
-  return R >= 6 ? 1 : (R >= 3 ? 2 : 4);
+  return R <= 2 ? 4 : 2;
 }
 
 template <int R, int MODE, bool F16>
 TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res) {
   constexpr int64_t bb = MODE == kW4 ? 256 : 512;
-  // split groups (G = 16, 8-bit only) need the two half blocks apart: at least 2 chains
-  constexpr int NA0 = zmm_chains<R>();
   const int64_t K = a.K, KB = w.KB;
   const bool split = w.G == 16;
   const int8_t* xrow[R];
@@ -235,8 +233,8 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
     }
   };
   // half block h (k 0..15 | 16..31: 4-bit chunks 0-1 | 2-3, 8-bit chunks 0-3 | 4-7)
-  // uses chains h*H .. h*H+H-1, kept apart only for split groups (G = 16)
-  constexpr int H = NA0 >= 2 ? NA0 / 2 : 1, NA = 2 * H;
+  // uses chains h*H .. h*H+H-1: split groups (G = 16) need the two halves apart
+  constexpr int NA = zmm_chains<R>(), H = NA / 2;
   constexpr int NC = MODE == kW4 ? 4 : 8;  // 64-byte chunks per block
   const __m512i mask = _mm512_set1_epi8(0x0f);
   for (int64_t kb = 0; kb < KB; ++kb, wp += bb) {
