@@ -7,9 +7,10 @@
 
 Kernel paths (``Path``), chosen at start-up from the CPU's flags:
 ``avx512vnni`` (zmm vpdpbusd), ``amx`` (tdpbsud on the tile unit, AVX-512
-epilogue), ``avxvnni`` (ymm vpdpbusd), ``avx2`` (ymm maddubs), ``scalar``.  They compute the same integer sums and the same float
-operations in the same order, so they give bit-identical results: the choice
-between them (``select_path``) is purely a matter of speed.
+epilogue), ``avxvnni`` (ymm vpdpbusd), ``avx2`` (ymm maddubs), ``scalar``.
+They compute the same integer sums and the same float operations in the same
+order, so they give bit-identical results: the choice between them
+(``sluice/kernels/autotune.py``) is purely a matter of speed.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def available_paths() -> list[Path]:
     if "avx512vnni" in feats and "avx512" in feats:
         paths.append(Path.AVX512VNNI)
     if "amx" in feats:
-        # NOTE(amx-second): the tile unit wins from a dozen rows up and loses at one or
-        # two (its fixed cost per block); autotune picks it per batch bucket only
-        # where it is clearly faster than AVX-512, the preferred path.
+        # NOTE(amx-second): the tile unit wins from about a dozen rows up and loses
+        # below eight (its fixed cost per block); autotune picks it per batch bucket
+        # only where it is clearly faster than AVX-512, the preferred path.
         paths.append(Path.AMX)
     if "avxvnni" in feats and "avx2" in feats:
         paths.append(Path.AVXVNNI)
