@@ -5,6 +5,7 @@
 // cpu_features().  All paths compute bit-identical results.
 #include "qgemm.h"
 #include "fp32_tile.h"
+#include "qgemm_zmm.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,7 +19,6 @@ namespace sluice {
 
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TGT_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-#define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 static inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -56,8 +56,6 @@ static inline float scale_at(const WPack& w, const void* base, int64_t idx) {
   return w.f16 ? half_to_float(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
 }
 
-// index of the first of the 16 scales of group g in tile t
-static inline int64_t sidx(const WPack& w, int64_t tile, int64_t g) { return (tile * w.NG + g) * kTile; }
 
 // ------------------------------------------------------------------ scalar
 
@@ -177,14 +175,6 @@ void tile_avxvnni(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float
 
 // ------------------------------------------------------------------ AVX-512 VNNI (zmm: 16 lanes)
 
-template <bool F16>
-TGT_AVX512 static inline __m512 load16(const void* base, int64_t idx) {
-  if constexpr (F16)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + idx)));
-  else
-    return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
-}
-
 // NOTE(chains): vpdpbusd has a latency of ~5 cycles and a throughput of ~1 per
 // cycle, so one accumulator chain per row leaves a 1-row pass 5x slower than its
 // issue rate (a lone 13-token prefill is 4+4+4+1 rows).  Each row therefore keeps
@@ -206,32 +196,6 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* wp = w.data + tile * KB * bb;
-  auto epilogue = [&](int64_t kb, const __m512i* s0, const __m512i* s1) TGT_AVX512 {
-    if (!split) {
-      const int64_t g = kb * kBlock / w.G;
-      const __m512 d = load16<F16>(w.scale, sidx(w, tile, g));
-      const __m512 mn = load16<F16>(w.mins, sidx(w, tile, g));
-      for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[m * KB + kb]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), ddx, acc[r]);
-        acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.dxs[m * KB + kb]), acc[r]);
-      }
-    } else {
-      const __m512 d0 = load16<F16>(w.scale, sidx(w, tile, 2 * kb));
-      const __m512 d1 = load16<F16>(w.scale, sidx(w, tile, 2 * kb + 1));
-      const __m512 n0 = load16<F16>(w.mins, sidx(w, tile, 2 * kb));
-      const __m512 n1 = load16<F16>(w.mins, sidx(w, tile, 2 * kb + 1));
-      for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const __m512 dx = _mm512_set1_ps(a.dx[m * KB + kb]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dx), acc[r]);
-        acc[r] = _mm512_fmadd_ps(n0, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb]), acc[r]);
-        acc[r] = _mm512_fmadd_ps(n1, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb + 1]), acc[r]);
-      }
-    }
-  };
   // half block h (k 0..15 | 16..31: 4-bit chunks 0-1 | 2-3, 8-bit chunks 0-3 | 4-7)
   // uses chains h*H .. h*H+H-1: split groups (G = 16) need the two halves apart
   constexpr int NA = zmm_chains<R>(), H = NA / 2;
@@ -272,7 +236,7 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
       }
       if (!split) is[0][r] = _mm512_add_epi32(is[0][r], is[H][r]);
     }
-    epilogue(kb, is[0], is[H]);
+    zmm_epilogue<F16>(a, m0, R, w, tile, kb, is[0], is[H], acc);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, acc[r]);
 }

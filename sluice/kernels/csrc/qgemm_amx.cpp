@@ -3,8 +3,8 @@
 //
 // Same layout and arithmetic as the other paths (qgemm.h): for each block of 32
 // inputs, one tdpbsud computes the exact int32 sums of up to 16 rows x 16
-// channels at once, and the epilogue then performs, lane by lane, the very
-// float operations of tile_zmm in the same order.  So the result is
+// channels at once, and the epilogue then runs tile_zmm's own float steps
+// (zmm_epilogue, qgemm_zmm.h), in the same order.  So the result is
 // bit-identical to every other path and to any batch size.
 //
 //   A (signed)   : R rows of activations, the block's 32 bytes   (tileloadd, stride K)
@@ -19,6 +19,7 @@
 // and other libraries (oneDNN) may load their own, so every parallel chunk loads
 // ours before its first tile instruction and releases the tiles at its end.
 #include "qgemm.h"
+#include "qgemm_zmm.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -31,7 +32,8 @@
 
 namespace sluice {
 
-#define TGT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// a superset of TGT_AVX512, so the shared AVX-512 epilogue (qgemm_zmm.h) inlines here
+#define TGT_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 bool amx_ready() {
   static const bool ok = [] {
@@ -85,16 +87,6 @@ TGT_AMX void configure(int rows, bool split) {
   __asm__ volatile("ldtilecfg %0" : : "m"(c) : "memory");
 }
 
-template <bool F16>
-TGT_AMX inline __m512 load16(const void* base, int64_t idx) {
-  if constexpr (F16)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + idx)));
-  else
-    return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
-}
-
-inline int64_t sidx(const WPack& w, int64_t tile, int64_t g) { return (tile * w.NG + g) * kTile; }
-
 // 4-bit block (4 chunks of 64 bytes) -> 8 B rows of 64 bytes
 TGT_AMX inline void unpack_w4(const uint8_t* wp, uint8_t* b) {
   const __m512i mask = _mm512_set1_epi8(0x0f);
@@ -105,40 +97,13 @@ TGT_AMX inline void unpack_w4(const uint8_t* wp, uint8_t* b) {
   }
 }
 
-// the float epilogue of one block for R rows: the operations of tile_zmm, in its order
+// the float epilogue of one block (qgemm_zmm.h), on the sums the tiles stored and
+// on res as the accumulators; c1: the second half block's sums (split groups only, else unread)
 template <bool F16>
 TGT_AMX inline void epilogue(const ActQ& a, int64_t m0, int R, const WPack& w, int64_t tile, int64_t kb,
-                             const int32_t* c0, const int32_t* c1, float* acc) {
-  const int64_t KB = w.KB;
-  if (c1 == nullptr) {
-    const int64_t g = kb * kBlock / w.G;
-    const __m512 d = load16<F16>(w.scale, sidx(w, tile, g));
-    const __m512 mn = load16<F16>(w.mins, sidx(w, tile, g));
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512(c0 + r * kTile));
-      const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[m * KB + kb]));
-      __m512 v = _mm512_load_ps(acc + r * kTile);
-      v = _mm512_fmadd_ps(is, ddx, v);
-      v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.dxs[m * KB + kb]), v);
-      _mm512_store_ps(acc + r * kTile, v);
-    }
-  } else {
-    const __m512 d0 = load16<F16>(w.scale, sidx(w, tile, 2 * kb));
-    const __m512 d1 = load16<F16>(w.scale, sidx(w, tile, 2 * kb + 1));
-    const __m512 n0 = load16<F16>(w.mins, sidx(w, tile, 2 * kb));
-    const __m512 n1 = load16<F16>(w.mins, sidx(w, tile, 2 * kb + 1));
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const __m512 dx = _mm512_set1_ps(a.dx[m * KB + kb]);
-      __m512 v = _mm512_load_ps(acc + r * kTile);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c0 + r * kTile)), _mm512_mul_ps(d0, dx), v);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c1 + r * kTile)), _mm512_mul_ps(d1, dx), v);
-      v = _mm512_fmadd_ps(n0, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb]), v);
-      v = _mm512_fmadd_ps(n1, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb + 1]), v);
-      _mm512_store_ps(acc + r * kTile, v);
-    }
-  }
+                             const int32_t* c0, const int32_t* c1, float* res) {
+  zmm_epilogue<F16>(a, m0, R, w, tile, kb, reinterpret_cast<const __m512i*>(c0),
+                    reinterpret_cast<const __m512i*>(c1), reinterpret_cast<__m512*>(res));
 }
 
 struct Scratch {

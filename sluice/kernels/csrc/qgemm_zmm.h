@@ -1,0 +1,61 @@
+// AVX-512 pieces shared by the zmm (qgemm.cpp) and AMX (qgemm_amx.cpp) paths of the
+// quantized GEMM: the scale loads and the float epilogue of one block, so the two
+// paths perform the same float operations in the same order by construction.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "qgemm.h"
+
+#define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+namespace sluice {
+
+// index of the first of the 16 scales of group g in tile t
+inline int64_t sidx(const WPack& w, int64_t tile, int64_t g) { return (tile * w.NG + g) * kTile; }
+
+template <bool F16>
+TGT_AVX512 inline __attribute__((always_inline)) __m512 load16(const void* base, int64_t idx) {
+  if constexpr (F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + idx)));
+  else
+    return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
+}
+
+// Block kb of rows m0..m0+R-1 of one tile, after its exact int32 sums: s0[r] holds
+// row r's sums over the block (over its first half when the groups are split,
+// G = 16, and s1[r] over the second half); acc[r] takes the float steps of qgemm.h.
+template <bool F16>
+TGT_AVX512 inline __attribute__((always_inline)) void zmm_epilogue(const ActQ& a, int64_t m0, int R, const WPack& w,
+                                                                  int64_t tile, int64_t kb, const __m512i* s0,
+                                                                  const __m512i* s1, __m512* acc) {
+  const int64_t KB = w.KB;
+  if (w.G != 16) {
+    const int64_t g = kb * kBlock / w.G;
+    const __m512 d = load16<F16>(w.scale, sidx(w, tile, g));
+    const __m512 mn = load16<F16>(w.mins, sidx(w, tile, g));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[m * KB + kb]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), ddx, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.dxs[m * KB + kb]), acc[r]);
+    }
+  } else {
+    const __m512 d0 = load16<F16>(w.scale, sidx(w, tile, 2 * kb));
+    const __m512 d1 = load16<F16>(w.scale, sidx(w, tile, 2 * kb + 1));
+    const __m512 n0 = load16<F16>(w.mins, sidx(w, tile, 2 * kb));
+    const __m512 n1 = load16<F16>(w.mins, sidx(w, tile, 2 * kb + 1));
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 dx = _mm512_set1_ps(a.dx[m * KB + kb]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dx), acc[r]);
+      acc[r] = _mm512_fmadd_ps(n0, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(n1, _mm512_set1_ps(a.dxs16[m * 2 * KB + 2 * kb + 1]), acc[r]);
+    }
+  }
+}
+
+}  // namespace sluice
