@@ -15,11 +15,13 @@ Backends (chosen once at start-up, reported by ``sluice doctor``):
   through it, fresh prefills included, so a prompt's result does not depend
   on how it was chunked.
 
-Both write the new K/V into the cache first (``KVCache.write``: the slots,
-quantized when the cache is fp8/int8, see ``kv_quant``) and read them back
-from it, so attention sees K/V as the cache stores them, in every row: a
-prompt gives the same output cold, from the prefix cache or from disk.  The
-kernel dequantizes an fp8/int8 block as it reads it.
+Both write the new K/V into the cache first and read them back from it, so
+attention sees K/V as the cache stores them, in every row: a prompt gives the
+same output cold, from the prefix cache or from disk.  A quantized (fp8/int8)
+cache is written by ``KVCache.write`` (quantize, then store; see ``kv_quant``)
+and the kernel dequantizes a block as it reads it; an fp32/bf16 cache is
+written by the ``cpu_paged`` kernel itself (NOTE(kv-write) in
+paged_attention.cpp), from the uncopied q/k/v slices of the QKV projection.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ class TorchAttention(AttentionBackend):
         return out
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(T, heads, D) as the kernel takes it: contiguous rows of D, any stride between tokens
+    (a slice of the fused QKV output passes uncopied)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def load_cpu_kernel() -> Any:
     """The compiled paged-attention extension (built at install time; see sluice/kernels/ext.py)."""
     return ext.load("attention")
@@ -139,13 +147,20 @@ class CpuPagedAttention(AttentionBackend):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         assert meta is not None
-        self._write(layer, k, v)
         kv = self.kv
-        ks = kv.k_scales[layer] if kv.fmt.is_quantized else self._no_scales
-        vs = kv.v_scales[layer] if kv.fmt.is_quantized else self._no_scales
+        q = _rows(q)
+        if kv.fmt.is_quantized:
+            self._write(layer, k, v)  # quantize, then store
+            return self.kernel.paged_attention(  # type: ignore[no-any-return]
+                q, kv.k[layer], kv.v[layer], kv.k_scales[layer], kv.v_scales[layer],
+                meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale,
+            )
+        # NOTE(kv-write) in paged_attention.cpp: the kernel stores the new K/V itself, then attends
+        cache_dtype = kv.k[layer].dtype
         return self.kernel.paged_attention(  # type: ignore[no-any-return]
-            q.contiguous(), kv.k[layer], kv.v[layer], ks, vs,
+            q, kv.k[layer], kv.v[layer], self._no_scales, self._no_scales,
             meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale,
+            _rows(k.to(cache_dtype)), _rows(v.to(cache_dtype)), meta.slot_mapping,
         )
 
 

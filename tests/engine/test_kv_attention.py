@@ -149,3 +149,39 @@ def test_a_prefix_hit_in_a_quantized_cache_equals_a_cold_run(tiny_llama: Path, k
                 cached[o.request_id] = o.num_cached_tokens
     assert cached["b"] == 48, "the shared 48-token prefix should come from the cache"
     assert outs["b"] == cold[0], "a prefix hit must give the cold run's tokens"
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_the_kernel_writes_new_kv_from_slices_of_the_fused_projection(kv_dtype: str) -> None:
+    """NOTE(kv-write): an unquantized cache gets its new K/V from the kernel itself, read
+    from uncopied slices of the QKV output; the cache and the output equal the reference's."""
+    caches, outs = [], []
+    for cls in (TorchAttention, CpuPagedAttention):
+        kv = KVCache(resolve_kv_format(kv_dtype, torch.float32), 1, 16, HKV, D)
+        kv.k[0].zero_()  # the slots no one writes compare equal too
+        kv.v[0].zero_()
+        meta, q, k, v = _batch(kv, torch.float32, seed=3)
+        fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # (T, (H + 2 Hkv) D)
+        qs, ks, vs = fused.split([H * D, HKV * D, HKV * D], dim=1)
+        views = [x.view(-1, n, D) for x, n in ((qs, H), (ks, HKV), (vs, HKV))]
+        assert not views[0].is_contiguous()
+        backend = cls(kv, D**-0.5)
+        backend.set_metadata(meta)
+        outs.append(backend(0, *views))
+        caches.append((kv.k[0].clone(), kv.v[0].clone()))
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    tol = 1e-5 if kv_dtype == "fp32" else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_a_slot_outside_the_cache_is_a_clear_error_not_a_stray_write() -> None:
+    kv = KVCache(resolve_kv_format("fp32", torch.float32), 1, 16, HKV, D)
+    meta, q, k, v = _batch(kv, torch.float32)
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.slot_mapping[-1] = 16 * 16  # one past the last slot of 16 blocks
+    backend = CpuPagedAttention(kv, D**-0.5)
+    backend.set_metadata(meta)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        backend(0, q, k, v)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from sluice.engine.core import EngineCore
@@ -130,3 +131,23 @@ def test_stop_token_ids_min_tokens_and_max_tokens(tiny_llama: Path) -> None:
     mt = _run(engine, {"m": (prompt, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 3,
                                                     stop_token_ids=[stop_at], ignore_eos=True))})["m"]
     assert len(mt) >= first + 3 and stop_at not in mt[: first + 2], "stop ids are masked until min_tokens"
+
+
+def test_the_argmax_kernel_gives_torchs_argmax_on_ties_nans_and_infinities() -> None:
+    """NOTE(argmax-rows): the C++ greedy argmax is torch's argmax, tails, ties and NaN rows included."""
+    s = Sampler()
+    if s._argmax is None:
+        pytest.skip("no C++ toolchain: the sampler uses torch's max(dim)")
+    g = torch.Generator().manual_seed(1)
+    for vocab in (1, 7, 16, 17, 40, 49157):
+        x = torch.randn(6, vocab, generator=g)
+        if vocab > 20:
+            x[0, [3, vocab - 1]] = 9.0  # a tie across the vector body and the tail
+            x[1, [vocab - 7, vocab - 2]] = 9.0  # a tie inside the tail
+            x[2, [5, 21]] = 9.0  # a tie in two lanes of the vector body
+            x[3, [vocab // 2, vocab - 1]] = float("nan")  # NaN counts as the maximum: its first index
+        x[4] = float("-inf")
+        x[5, 0] = float("inf")
+        want = x.argmax(dim=-1).tolist()
+        assert s.argmax(x) == want, vocab
+        assert s.argmax(x[1:4]) == want[1:4], vocab  # a row slice (the sampler's gathered greedy rows)

@@ -69,7 +69,93 @@ CLONES void silu_mul_rows(const float* gu, int64_t ld, float* y, int64_t ldy, in
   }
 }
 
+// NOTE(argmax-rows): the first index of each row's maximum, as torch's argmax
+// gives it (a NaN counts as the maximum: its first index).  Sixteen lanes each
+// keep their own running maximum and the first index that reached it (strictly
+// greater replaces), then the lanes are merged by value, ties to the lower
+// index, which is the row's first maximal index.  torch's max(dim) ran one
+// thread over a 64-row step's 64 x 49k logits (~2.3 ms of the step).
+CLONES void argmax_row_span(const float* x, int64_t ld, int64_t V, int64_t* out, int64_t b, int64_t e) {
+  typedef float vf __attribute__((vector_size(64)));
+  typedef int32_t vi __attribute__((vector_size(64)));
+  for (int64_t t = b; t < e; ++t) {
+    const float* r = x + t * ld;
+    int64_t best = 0;
+    float bv = r[0];
+    int64_t i = 0;
+    if (V >= 16) {
+      vf m;
+      std::memcpy(&m, r, sizeof m);
+      vi idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      vi cur = idx;
+      vi nan = idx - idx;
+      const vi step = nan + 16;
+      for (i = 16; i + 16 <= V; i += 16) {
+        vf v;
+        std::memcpy(&v, r + i, sizeof v);
+        cur += step;
+        const vi gt = v > m;
+        idx = gt ? cur : idx;
+        m = gt ? v : m;
+        nan |= v != v;
+      }
+      bool any_nan = false;
+      for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0 || m[l] != m[l];
+      if (any_nan) {
+        for (int64_t k = 0; k < V; ++k)
+          if (r[k] != r[k]) {
+            best = k;
+            break;
+          }
+        out[t] = best;
+        continue;
+      }
+      best = idx[0];
+      bv = m[0];
+      for (int l = 1; l < 16; ++l)
+        if (m[l] > bv || (m[l] == bv && idx[l] < best)) {
+          bv = m[l];
+          best = idx[l];
+        }
+    } else {
+      i = 1;
+    }
+    for (; i < V; ++i) {  // the tail (after the vector part, every index here is later)
+      if (r[i] != r[i]) {
+        if (bv == bv) {
+          best = i;
+          bv = r[i];
+        }
+        break;
+      }
+      if (r[i] > bv) {
+        bv = r[i];
+        best = i;
+      }
+    }
+    if (bv != bv) {  // r[0] or a tail value was NaN: the first NaN wins
+      for (int64_t k = 0; k < V; ++k)
+        if (r[k] != r[k]) {
+          best = k;
+          break;
+        }
+    }
+    out[t] = best;
+  }
+}
+
 }  // namespace
+
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x (N, V) float32 with V > 0");
+  const int64_t N = x.size(0), V = x.size(1);
+  auto out = torch::empty({N}, x.options().dtype(torch::kLong));
+  at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+    argmax_row_span(x.data_ptr<float>(), x.stride(0), V, out.data_ptr<int64_t>(), b, e);
+  });
+  return out;
+}
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "rms_norm: x (T, H) float32");
@@ -96,6 +182,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 void register_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32)");
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] (float32)");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (float32 (N, V) -> int64 (N,))");
 }
 
 }  // namespace sluice

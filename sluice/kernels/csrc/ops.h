@@ -8,6 +8,8 @@ namespace sluice {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 // silu(gu[:, :I]) * gu[:, I:] for gu (T, 2I), float32
 torch::Tensor silu_mul(const torch::Tensor& gu);
+// the first index of each row's maximum (a NaN counts as the maximum), float32 (N, V) -> int64 (N,)
+torch::Tensor argmax_rows(const torch::Tensor& x);
 
 void register_ops(pybind11::module& m);
 void register_qlinear(pybind11::module& m);

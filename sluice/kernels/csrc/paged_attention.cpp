@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -67,6 +68,7 @@ struct Args {
   const uint8_t* skip;
   const int32_t* seq_of;
   scalar_t* out;
+  int64_t q_row;  // elements between two tokens' query rows (H * D when q is contiguous)
   int64_t H, D, BS, MB, group, kv_row, kv_block;
   float scale;
 };
@@ -110,7 +112,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
     const int64_t ql = a.qsl[s + 1] - a.qsl[s];
     const int64_t n_keys = a.sl[s] - ql + (t - a.qsl[s]) + 1;  // causal
     for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* qrow = a.q + (t * a.H + hk * G + g) * D;
+      const scalar_t* qrow = a.q + t * a.q_row + (hk * G + g) * D;
       for (int64_t d = 0; d < D; ++d) {
         qf[g][d] = (float)qrow[d] * a.scale;
         acc[g][d] = 0.f;
@@ -267,7 +269,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
                          quant ? ks.data_ptr<float>() : nullptr,
                          quant ? vs.data_ptr<float>() : nullptr,
                          bt.data_ptr<int32_t>(), qslp, sl.data_ptr<int32_t>(), skip.data_ptr<uint8_t>(),
-                         seq_of.data(), out.data_ptr<scalar_t>(), H, D, BS, bt.size(1), H / Hkv, Hkv * D,
+                         seq_of.data(), out.data_ptr<scalar_t>(), q.stride(0), H, D, BS, bt.size(1), H / Hkv, Hkv * D,
                          BS * Hkv * D, (float)scale};
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
 }
@@ -285,13 +287,38 @@ void run_q(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor&
   }
 }
 
+// (T, heads, D) rows of D contiguous elements, any stride between tokens: a
+// query or new K/V split out of the fused QKV projection's output, uncopied.
+static bool token_rows(const torch::Tensor& x) {
+  return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
+}
+
+// NOTE(kv-write): the new tokens' K/V go into their cache slots here, in C++,
+// before any row is attended (a prefill's later tokens read its earlier ones).
+// Two index_copy_ calls a layer cost ~35 us each through the dispatcher (4 ms
+// of a 64-row SmolLM2 decode step); the rows are 3 x 64 floats.  Unquantized
+// caches only: a quantized one is written by KVCache.write (quantize first).
+static void write_slots(const torch::Tensor& x, const torch::Tensor& cache, const int64_t* slots, int64_t T) {
+  const int64_t Hkv = cache.size(2), D = cache.size(3), row_bytes = D * (int64_t)cache.element_size();
+  const int64_t ld = x.stride(0) * (int64_t)x.element_size(), head = x.stride(1) * (int64_t)x.element_size();
+  const char* src = reinterpret_cast<const char*>(x.data_ptr());
+  char* dst = reinterpret_cast<char*>(cache.data_ptr());
+  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(dst + (slots[t] * Hkv + h) * row_bytes, src + t * ld + h * head, row_bytes);
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor skip,
-                              double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+                              double scale, std::optional<torch::Tensor> k_new_opt, std::optional<torch::Tensor> v_new_opt,
+                              std::optional<torch::Tensor> slot_mapping_opt) {
+  TORCH_CHECK(token_rows(q) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q: (T, H, D) with contiguous rows; contiguous caches");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
   TORCH_CHECK(skip.dtype() == torch::kUInt8 && skip.numel() == seq_lens.numel(), "skip: uint8, one per sequence");
@@ -307,7 +334,25 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   } else {
     TORCH_CHECK(k_scales.numel() == 0 && v_scales.numel() == 0, "scales are for a quantized cache only");
   }
-  auto out = torch::empty_like(q);
+  if (slot_mapping_opt.has_value() && slot_mapping_opt->numel() > 0) {  // write the step's new K/V first (NOTE(kv-write))
+    TORCH_CHECK(k_new_opt.has_value() && v_new_opt.has_value(), "slot_mapping comes with k_new and v_new");
+    const torch::Tensor &slot_mapping = *slot_mapping_opt, &k_new = *k_new_opt, &v_new = *v_new_opt;
+    const int64_t T = slot_mapping.numel(), slots_total = k_cache.size(0) * k_cache.size(1);
+    TORCH_CHECK(!quant, "a quantized cache is written by KVCache.write, not by the kernel");
+    TORCH_CHECK(slot_mapping.dtype() == torch::kLong && slot_mapping.is_contiguous(), "slot_mapping: contiguous int64");
+    for (const auto* x : {&k_new, &v_new}) {
+      TORCH_CHECK(token_rows(*x) && x->size(0) == T && x->size(1) == k_cache.size(2) && x->size(2) == k_cache.size(3),
+                  "new K/V: (T, num_kv_heads, head_dim) with contiguous rows, one per slot");
+      TORCH_CHECK(x->scalar_type() == k_cache.scalar_type(), "new K/V in the cache's dtype");
+    }
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "slot ", slots[t], " outside the cache (", slots_total,
+                  " slots)");
+    write_slots(k_new, k_cache, slots, T);
+    write_slots(v_new, v_cache, slots, T);
+  }
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == torch::kFloat)
     run_q<float>(q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, skip, scale, out);
   else if (q.scalar_type() == torch::kBFloat16)
@@ -319,5 +364,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over the block tables (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention over the block tables (CPU); writes k_new/v_new at "
+        "slot_mapping first unless slot_mapping is empty",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scales"),
+        pybind11::arg("v_scales"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
+        pybind11::arg("seq_lens"), pybind11::arg("skip"), pybind11::arg("scale"),
+        pybind11::arg("k_new") = pybind11::none(), pybind11::arg("v_new") = pybind11::none(),
+        pybind11::arg("slot_mapping") = pybind11::none());
 }
