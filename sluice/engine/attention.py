@@ -77,6 +77,12 @@ class AttentionBackend:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """Attention straight from the QKV projection's rows (T, (H + 2 Hkv) D) -> (T, H D)."""
+        t, d, hkv = qkv.shape[0], self.kv.head_dim, self.kv.num_kv_heads
+        q, k, v = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
+        return self(layer, q.view(t, num_heads, d), k.view(t, hkv, d), v.view(t, hkv, d)).reshape(t, num_heads * d)
+
     def _sdpa_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (L, H, D), k/v: (L, Hkv, D) -> (L, H, D)
         o = F.scaled_dot_product_attention(
@@ -143,6 +149,19 @@ class CpuPagedAttention(AttentionBackend):
         # kernel, which reduces each (token, head) over its own keys in block order:
         # a prompt gives the same bits however the scheduler chunks it.
         self._skip = torch.zeros(meta.num_seqs, dtype=torch.uint8)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+        kv = self.kv
+        if kv.fmt.is_quantized or kv.k[layer].dtype != qkv.dtype or qkv.stride(-1) != 1:
+            return super().attend_qkv(layer, qkv, num_heads)
+        meta = self.meta
+        assert meta is not None
+        # NOTE(qkv-rows) in paged_attention.cpp: one call, the heads sliced in C++
+        return self.kernel.paged_attention(  # type: ignore[no-any-return]
+            qkv, kv.k[layer], kv.v[layer], self._no_scales, self._no_scales,
+            meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale,
+            None, None, meta.slot_mapping,
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta

@@ -146,14 +146,18 @@ class DecoderLayer(nn.Module):
             k = self.ops.fused
             qkv = k.attn_in(x, self.input_norm, self.eps, self.qkv.op, rope.positions, rope.cos_table,
                             rope.sin_table, self.num_heads, self.num_kv_heads, self.head_dim)  # fmt: skip
-            q, kk, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            attn = attention(
-                idx,
-                q.view(t, self.num_heads, self.head_dim),
-                kk.view(t, self.num_kv_heads, self.head_dim),
-                v.view(t, self.num_kv_heads, self.head_dim),
-            )
-            self.o_proj.op.forward(attn.reshape(t, self.q_size), x)  # x += attn @ Wo^T
+            attend_qkv = getattr(attention, "attend_qkv", None)
+            if attend_qkv is not None:  # the backend slices the heads itself (one call)
+                attn = attend_qkv(idx, qkv, self.num_heads)
+            else:
+                q, kk, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                attn = attention(
+                    idx,
+                    q.view(t, self.num_heads, self.head_dim),
+                    kk.view(t, self.num_kv_heads, self.head_dim),
+                    v.view(t, self.num_kv_heads, self.head_dim),
+                ).reshape(t, self.q_size)
+            self.o_proj.op.forward(attn, x)  # x += attn @ Wo^T
             return k.mlp(x, self.post_attn_norm, self.eps, self.gate_up.op, self.down.op)  # type: ignore[no-any-return]
         ops = self.ops
         cos, sin = rope.gathered()

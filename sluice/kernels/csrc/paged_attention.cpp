@@ -317,6 +317,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor skip,
                               double scale, std::optional<torch::Tensor> k_new_opt, std::optional<torch::Tensor> v_new_opt,
                               std::optional<torch::Tensor> slot_mapping_opt) {
+  // NOTE(qkv-rows): q may be the QKV projection's output itself, (T, (H + 2 Hkv) D):
+  // the heads are sliced here (a few C++ view ops instead of a dozen Python-level
+  // ones a layer), the new K/V come from it, and the output is (T, H D).
+  const bool qkv_rows = q.dim() == 2;
+  if (qkv_rows) {
+    const int64_t T = q.size(0), D = k_cache.size(3), Hkv = k_cache.size(2);
+    TORCH_CHECK(q.stride(1) == 1 && q.size(1) % D == 0 && q.size(1) / D > 2 * Hkv,
+                "qkv: (T, (H + 2 Hkv) * head_dim) with contiguous rows");
+    const int64_t H = q.size(1) / D - 2 * Hkv;
+    auto heads = q.view({T, H + 2 * Hkv, D});
+    if (slot_mapping_opt.has_value() && !k_new_opt.has_value() && !v_new_opt.has_value()) {
+      k_new_opt = heads.narrow(1, H, Hkv);
+      v_new_opt = heads.narrow(1, H + Hkv, Hkv);
+    }
+    q = heads.narrow(1, 0, H);
+  }
   TORCH_CHECK(token_rows(q) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q: (T, H, D) with contiguous rows; contiguous caches");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches of one dtype");
@@ -360,12 +376,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                          scale, out);
   else
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 queries only");
-  return out;
+  return qkv_rows ? out.view({q.size(0), q.size(1) * q.size(2)}) : out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the block tables (CPU); writes k_new/v_new at "
-        "slot_mapping first unless slot_mapping is empty",
+        "slot_mapping first unless slot_mapping is empty; q may be the (T, (H + 2 Hkv) D) qkv rows",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scales"),
         pybind11::arg("v_scales"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
         pybind11::arg("seq_lens"), pybind11::arg("skip"), pybind11::arg("scale"),
