@@ -157,7 +157,7 @@ def test_the_kernel_writes_new_kv_from_slices_of_the_fused_projection(kv_dtype: 
     """NOTE(kv-write): an unquantized cache gets its new K/V from the kernel itself, read
     from uncopied slices of the QKV output; the cache and the output equal the reference's."""
     caches, outs = [], []
-    for cls in (TorchAttention, CpuPagedAttention):
+    for cls, qkv_rows in ((TorchAttention, False), (CpuPagedAttention, False), (CpuPagedAttention, True)):
         kv = KVCache(resolve_kv_format(kv_dtype, torch.float32), 1, 16, HKV, D)
         kv.k[0].zero_()  # the slots no one writes compare equal too
         kv.v[0].zero_()
@@ -168,11 +168,15 @@ def test_the_kernel_writes_new_kv_from_slices_of_the_fused_projection(kv_dtype: 
         assert not views[0].is_contiguous()
         backend = cls(kv, D**-0.5)
         backend.set_metadata(meta)
-        outs.append(backend(0, *views))
+        # NOTE(qkv-rows): or the projection's rows whole, sliced by the kernel
+        out = backend.attend_qkv(0, fused, H) if qkv_rows else backend(0, *views).flatten(1)
+        outs.append(out)
         caches.append((kv.k[0].clone(), kv.v[0].clone()))
-    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
-    tol = 1e-5 if kv_dtype == "fp32" else 2e-2
-    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    for cache, out in zip(caches[1:], outs[1:]):
+        assert torch.equal(cache[0], caches[0][0]) and torch.equal(cache[1], caches[0][1])
+        tol = 1e-5 if kv_dtype == "fp32" else 2e-2
+        torch.testing.assert_close(out, outs[0], atol=tol, rtol=tol)
+    assert torch.equal(outs[2], outs[1]), "the same kernel on the same rows, sliced in C++ or in Python"
 
 
 @needs_kernel
