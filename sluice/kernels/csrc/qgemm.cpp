@@ -202,6 +202,7 @@ TGT_AVX512 static void tile_zmm(const ActQ& a, int64_t m0, const WPack& w, int64
   constexpr int NC = MODE == kW4 ? 4 : 8;  // 64-byte chunks per block
   const __m512i mask = _mm512_set1_epi8(0x0f);
   for (int64_t kb = 0; kb < KB; ++kb, wp += bb) {
+    prefetch_weights<F16>(w, wp, bb, tile, kb, kPrefetchBytes);  // NOTE(weight-prefetch) in qgemm_zmm.h
     __m512i is[NA][R];
     for (int j = 0; j < NA; ++j)
       for (int r = 0; r < R; ++r) is[j][r] = _mm512_setzero_si512();

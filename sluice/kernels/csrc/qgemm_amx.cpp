@@ -176,6 +176,7 @@ TGT_AMX void tile_amx(const ActQ& a, int64_t m0, int R, const WPack& w, int64_t 
   unpack(1);
   issue(0);
   for (int64_t kb = 0; kb < KB; ++kb) {
+    prefetch_weights<F16>(w, wt + kb * bb, bb, tile, kb, kPrefetchBytes);  // NOTE(weight-prefetch)
     unpack(kb + 2);
     issue(kb + 1);
     if (kb & 1)
