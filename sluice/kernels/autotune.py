@@ -4,7 +4,7 @@ Every kernel path gives bit-identical results (sluice/kernels/csrc/qgemm.h), so
 choosing per (shape, batch bucket) changes speed only, never a result.  The
 first start on a machine times each available path on each quantized shape
 of the model at a few batch sizes (a second or two); the choice is cached in
-``<sluice cache>/autotune-v3.json`` keyed by the CPU (model name, flags) and
+``<sluice cache>/autotune-v4.json`` keyed by the CPU (model name, flags) and
 the thread count, so later starts pay nothing.
 
 ``SLUICE_KERNEL_PATH=avx2`` (or avx512vnni, avxvnni, scalar) forces one path.
@@ -37,7 +37,7 @@ def _cache_file() -> Path:
     root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sluice"
     )
-    return Path(root) / "autotune-v3.json"
+    return Path(root) / "autotune-v4.json"
 
 
 def cpu_key() -> str:
