@@ -1,10 +1,13 @@
 // Paged attention for a flattened batch, reading K/V in place from the blocks.
 //
-//   q: (T, H, D); k_cache/v_cache: (NB, BS, Hkv, D); block_tables: (S, MB) int32;
+//   q: (T, H, D) with contiguous rows of D, or the QKV rows (T, (H + 2 Hkv) D)
+//   (NOTE(qkv-rows)); k_cache/v_cache: (NB, BS, Hkv, D); block_tables: (S, MB) int32;
 //   query_start_loc: (S+1) int32; seq_lens: (S) int32; skip: (S) uint8, sequences
-//   whose rows the caller fills itself (left untouched here).  Out: (T, H, D).
-//   k_scales/v_scales: (NB, BS, Hkv) float32 for a quantized cache (float8_e4m3fn
-//   or int8 codes, value = code * scale of its row and KV head), empty otherwise.
+//   whose rows the caller fills itself (left untouched here).  Out: (T, H, D), or
+//   (T, H D) for QKV rows.  k_scales/v_scales: (NB, BS, Hkv) float32 for a quantized
+//   cache (float8_e4m3fn or int8 codes, value = code * scale of its row and KV head),
+//   empty otherwise.  slot_mapping (T) int64 with k_new/v_new (T, Hkv, D), or taken
+//   from the QKV rows: stored into an unquantized cache first (NOTE(kv-write)).
 //
 // Online softmax over the blocks of each sequence, one (token, KV head) per
 // work item, OpenMP across items.  A float32 cache is read in place; the V sum
