@@ -491,7 +491,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def add_load_args(ap: argparse.ArgumentParser) -> None:
     """The client and server flags shared with ``overload_repeat.py``."""
     ap.add_argument("--calibrate-s", type=float, default=20.0, help="seconds of the closed capacity loop")
-    ap.add_argument("--concurrency", type=int, default=64, help="closed-loop users (= the servers' max_num_seqs)")
+    ap.add_argument("--concurrency", type=int, default=128,
+                    help="closed-loop users (= sluice's default max_num_seqs; vLLM is started with it)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=60.0, help="client timeout per request (s)")
     ap.add_argument("--pause-s", type=float, default=3.0, help="pause between steps (s)")

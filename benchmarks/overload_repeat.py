@@ -1,7 +1,7 @@
 """One overload step, repeated: how much a run of `benchmarks/overload.py` moves, and where the CPU goes (issue 11).
 
-    python benchmarks/overload_repeat.py                       # 3x of 38 req/s, seeds 0,0,1, 30 s each: ~3 minutes
-    python benchmarks/overload_repeat.py --rate 0 --mult 3     # 3x of the capacity measured first
+    python benchmarks/overload_repeat.py                       # 3x of the capacity measured first, seeds 0,0,1, 30 s each
+    python benchmarks/overload_repeat.py --rate 64 --lone-ttft 0.012   # a fixed load and fixed targets (an A/B)
     python benchmarks/overload_repeat.py --timeline            # also a per-second table of each run
 
 ``overload.py`` runs each load once; its 3x goodput and P0 attainment are
@@ -114,11 +114,11 @@ def _timeline(samples: list[tuple[float, dict[str, float]]], records: list[ov.Re
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     ns = argparse.Namespace(sluice_args=args.sluice_args)
     with ov.start_server("sluice", ns) as server:
-        lone = await ov.lone_ttft(server, args.max_tokens)
+        lone = args.lone_ttft or await ov.lone_ttft(server, args.max_tokens)
         cap = args.rate or await ov.capacity(server, args.concurrency, args.calibrate_s, args.max_tokens, 0)
         rate = args.mult * cap
         targets = ov.targets_for(lone)
-        print(f"lone TTFT {lone * 1000:.0f} ms, {'given' if args.rate else 'measured'} capacity {cap:.2f} req/s, "
+        print(f"lone TTFT {lone * 1000:.0f} ms{' (given)' if args.lone_ttft else ''}, {'given' if args.rate else 'measured'} capacity {cap:.2f} req/s, "
               f"{args.mult:g}x = {rate:.1f} req/s; targets " + ", ".join(f"{c} {t:.3f}s" for c, t in targets.items()),
               file=sys.stderr)  # fmt: skip
         engine = [p for p in _children(server.procs[0].pid) if p != server.procs[0].pid]
@@ -164,8 +164,11 @@ def table(result: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", type=float, default=38.0, help="the capacity the load is a multiple of (req/s); "
+    ap.add_argument("--rate", type=float, default=0.0, help="the capacity the load is a multiple of (req/s); "
                     "0: measure it first (closed loop, as overload.py)")  # fmt: skip
+    ap.add_argument("--lone-ttft", type=float, default=0.0,
+                    help="the lone TTFT the SLA targets derive from (s); 0: measure it first. Fixed, an A/B of two "
+                         "builds or settings judges both against the same targets")  # fmt: skip
     ap.add_argument("--mult", type=float, default=3.0, help="the load, a multiple of --rate")
     ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 0, 1],
                     help="one run per seed, in order (default 0,0,1: one arrival sequence twice, then another)")
