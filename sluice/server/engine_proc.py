@@ -112,10 +112,18 @@ def run_engine_core(
             _publish_stats(push, engine)
 
     def take_arrivals() -> None:
-        """Mid-step (NOTE(mid-step-express) in sluice.engine.core): add new requests; hold the rest."""
+        """Mid-step (NOTE(mid-step-express) in sluice.engine.core): add new requests, take aborts; hold the rest.
+
+        NOTE(mid-step-aborts): an abort only queues its ids (the engine applies it
+        when the step ends, as it would at a boundary), so it is taken mid-step too.
+        Held, it would hold every request behind it (messages keep their order), and
+        under overload aborts are frequent (the admission sheds queued lower-class
+        requests; clients hang up): a P0 behind one waited out the running step.
+        Controls (profiling, LoRA, KV checkpoints) touch engine state: they wait.
+        """
         while poller.poll(0):
             kind, payload = pull.recv_multipart()
-            if kind == Kind.REQUESTS and not held:  # held first: messages keep their order
+            if kind in (Kind.REQUESTS, Kind.ABORT) and not held:  # held first: messages keep their order
                 handle(kind, payload)
             else:
                 held.append((kind, payload))

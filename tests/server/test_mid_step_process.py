@@ -1,6 +1,7 @@
 """NOTE(mid-step-express) through the processes: the engine core process takes new requests
-mid-step, publishes a nested step's first tokens at once, and holds every other message
-(aborts, controls) for the step's end.  A fake engine with 0.4 s steps takes arrivals halfway."""
+and aborts mid-step (an abort is applied when the step ends), publishes a nested step's first
+tokens at once, and holds controls for the step's end.  A fake engine with 0.4 s steps takes
+arrivals halfway."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_a_p0_arriving_mid_step_is_answered_before_the_step_ends_and_aborts_wait
         assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
         assert elapsed < STEP_S, f"answered mid-step, not after the running step and one more: {elapsed:.2f} s"
         p2.join(30)
-        # a client hanging up mid-step: its abort is held until the step ends, then honoured
+        # a client hanging up mid-step: its abort is taken mid-step and honoured when the step ends
         hung = threading.Thread(target=_stream_p2, args=(srv.url, 50, 1))
         hung.start()
         hung.join(30)
@@ -51,6 +52,32 @@ def test_a_p0_arriving_mid_step_is_answered_before_the_step_ends_and_aborts_wait
         r = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "after", "max_tokens": 2},
                        timeout=30)  # fmt: skip
         assert r.status_code == 200, "the engine keeps serving"
+    finally:
+        srv.stop()
+
+
+def test_a_p0_arriving_mid_step_right_after_an_abort_is_still_answered_mid_step() -> None:
+    # NOTE(mid-step-aborts) in sluice.server.engine_proc: an abort read mid-step used to be held
+    # for the step's end, and every request behind it with it (messages keep their order), so a
+    # P0 that came in after a shed or a hang-up waited out the step and one more.
+    srv = start_fake_server(step_delay=STEP_S, engine_kwargs={"mid_step": True})
+    try:
+        keep = threading.Thread(target=_stream_p2, args=(srv.url, 8))  # keeps the engine stepping
+        keep.start()
+        assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 0) >= 1, timeout=5)
+        # its first token comes at a step's end; it hangs up at once: the abort lands early in the next step
+        assert len(_stream_p2(srv.url, 50, stop_after=1)) == 1
+        time.sleep(0.03)  # the API process sees the hang-up and sends the abort first
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
+                       json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        assert elapsed < 0.75 * STEP_S, f"nested in the step the abort came in, not held behind it: {elapsed:.2f} s"
+        keep.join(30)
+        assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 1) == 0, timeout=10), (
+            "the abort was honoured: nothing left running"
+        )
     finally:
         srv.stop()
 
