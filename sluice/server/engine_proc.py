@@ -116,9 +116,9 @@ def run_engine_core(
 
         NOTE(mid-step-aborts): an abort only queues its ids (the engine applies it
         when the step ends, as it would at a boundary), so it is taken mid-step too.
-        Held, it would hold every request behind it (messages keep their order), and
-        under overload aborts are frequent (the admission sheds queued lower-class
-        requests; clients hang up): a P0 behind one waited out the running step.
+        Held, it would hold every request behind it (messages keep their order): a P0
+        that came in after a shed (the admission sheds queued lower-class requests
+        under overload) or a client's hang-up waited out the running step.
         Controls (profiling, LoRA, KV checkpoints) touch engine state: they wait.
         """
         while poller.poll(0):
