@@ -28,6 +28,14 @@ def _stream_p2(url: str, max_tokens: int, stop_after: int | None = None) -> list
     return chunks
 
 
+def _timed_p0(url: str) -> tuple[httpx.Response, float]:
+    """A one-token p0 completion and the seconds it took."""
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
+                   json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
+    return r, time.monotonic() - t0
+
+
 def test_a_p0_arriving_mid_step_is_answered_before_the_step_ends_and_aborts_wait_for_it() -> None:
     srv = start_fake_server(step_delay=STEP_S, engine_kwargs={"mid_step": True})
     try:
@@ -35,10 +43,7 @@ def test_a_p0_arriving_mid_step_is_answered_before_the_step_ends_and_aborts_wait
         p2.start()
         assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 0) >= 1, timeout=5)
         time.sleep(0.05)  # inside a 0.4 s step
-        t0 = time.monotonic()
-        r = httpx.post(srv.url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
-                       json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
-        elapsed = time.monotonic() - t0
+        r, elapsed = _timed_p0(srv.url)
         assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
         assert elapsed < STEP_S, f"answered mid-step, not after the running step and one more: {elapsed:.2f} s"
         p2.join(30)
@@ -68,10 +73,7 @@ def test_a_p0_arriving_mid_step_right_after_an_abort_is_still_answered_mid_step(
         # its first token comes at a step's end; it hangs up at once: the abort lands early in the next step
         assert len(_stream_p2(srv.url, 50, stop_after=1)) == 1
         time.sleep(0.03)  # the API process sees the hang-up and sends the abort first
-        t0 = time.monotonic()
-        r = httpx.post(srv.url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
-                       json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
-        elapsed = time.monotonic() - t0
+        r, elapsed = _timed_p0(srv.url)
         assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
         assert elapsed < 0.75 * STEP_S, f"nested in the step the abort came in, not held behind it: {elapsed:.2f} s"
         keep.join(30)
@@ -89,10 +91,8 @@ def test_without_mid_step_the_p0_waits_for_the_running_step() -> None:
         p2.start()
         assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 0) >= 1, timeout=5)
         time.sleep(0.05)
-        t0 = time.monotonic()
-        r = httpx.post(srv.url + "/v1/completions", headers={"x-priority": "p0"}, timeout=30,
-                       json={"model": "fake", "prompt": "quick", "max_tokens": 1, "temperature": 0})  # fmt: skip
-        assert r.status_code == 200 and time.monotonic() - t0 >= STEP_S, "the rest of the running step and its own"
+        r, elapsed = _timed_p0(srv.url)
+        assert r.status_code == 200 and elapsed >= STEP_S, "the rest of the running step and its own"
         p2.join(30)
     finally:
         srv.stop()
