@@ -452,3 +452,53 @@ def test_a_surge_of_higher_class_arrivals_counts_within_a_second() -> None:
     assert rho > 0.6 > 2 * slow_alone, rho
     run(3.0, 0)  # the surge is over: remembered at the 5-s average's pace (0.1), not the 1-s one's (0.03)
     assert 0.07 < a.higher_load(Priority.P1) < 0.13
+
+
+def test_p0_predictions_grow_while_admitted_p0s_miss_and_shrink_back_once_they_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE(p0-margin): the share of admitted P0s past their target sets a factor on P0's predictions."""
+    # one P0 after the other, each 0.4 s late, is 40 s of overload: many P0s would overlap in it; without
+    # the fading here, the growth and the fading are seen apart
+    monkeypatch.setattr(admission, "P0_MARGIN_DECAY_S", 1e9)
+    clock = FakeClock()
+    a = controller("p0=0.3s", clock)
+    a.observe_stats(stats())
+    base = a.predict(a.load(), Priority.P0, 100)  # one 100-token step: 0.01 + 0.1 s, plus half the current one
+    p2_before = a.predict(a.load(), Priority.P2, 100)
+    n = refused = 0
+
+    def start_p0(wait: float) -> None:
+        nonlocal n, refused
+        n += 1
+        try:
+            a.admit(f"p0-{n}", Priority.P0, 101, 100)
+        except OverloadedError:
+            refused += 1
+            clock.now += wait
+            return
+        clock.now += wait
+        a.started(f"p0-{n}")
+
+    for _ in range(20):
+        start_p0(0.05)  # within the 0.3 s target
+    assert a.p0_margin == 1.0 and a.predict(a.load(), Priority.P0, 100) == pytest.approx(base)
+    for _ in range(20):
+        start_p0(0.4)  # every one late: the engine is past what the model sees
+    assert refused == 0 and a.p0_miss_share > admission.P0_MISS_HIGH
+    margin = a.p0_margin
+    assert margin > 1.1 and a.predict(a.load(), Priority.P0, 100) == pytest.approx(base * margin)
+    assert a.predict(a.load(), Priority.P2, 100) == pytest.approx(p2_before), "only P0's prediction changes"
+    for _ in range(120):
+        start_p0(0.4)
+    assert refused > 0, "a P0 the model alone would admit (0.115 s) is refused once the margin passes 0.3 / 0.115"
+    margin, set_at = a._p0_margin  # as the last start set it (the refusals since set nothing)
+    monkeypatch.setattr(admission, "P0_MARGIN_DECAY_S", 5.0)
+    clock.now = set_at + 5.0
+    assert a.p0_margin == pytest.approx(1.0 + (margin - 1.0) / math.e), "the margin fades with time: no lock-in"
+    for _ in range(400):
+        start_p0(0.05)  # on time again: the misses fade, the margin goes back to 1
+    assert a.p0_miss_share < admission.P0_MISS_LOW and a.p0_margin == pytest.approx(1.0)
+    for _ in range(400):
+        start_p0(0.4 if n % 20 == 0 else 0.05)  # one late in twenty: under P0_MISS_HIGH, no margin
+    assert a.p0_margin == pytest.approx(1.0)
