@@ -93,7 +93,8 @@ to 1 with time (``P0_MARGIN_DECAY_S``): a margin that refuses every P0 gets no
 more starts to learn from, and must not outlast the overload that set it.
 Where P0 is within target (its misses a few in a hundred) the margin stays 1
 and nothing changes.  At 5x on that machine P0 attainment went from 38-50% to
-52-57%, and P0's TTFT p99 from 0.30-0.58 s to 0.23-0.27 s (docs/benchmarks.md).
+52-58%, and P0's TTFT p99 from 0.30-0.58 s to 0.23-0.27 s; a tighter margin
+(5% / 2%) gained 4 more points at 5x but cost about one at 3x (docs/benchmarks.md).
 
 NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
 2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
