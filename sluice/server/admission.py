@@ -456,24 +456,27 @@ class AdmissionController:
             now = self._clock()
             self._drain[e.priority].starts.tick(now)
             if e.priority == Priority.P0 and e.target is not None:
-                self._check_p0(now - e.submitted_at > e.target)
+                self._check_p0(now - e.submitted_at > e.target, now)
         self.remove(key)
 
     @property
     def p0_margin(self) -> float:
         """The factor on P0's predictions now (NOTE(p0-margin)): as last set, faded towards 1 since."""
-        margin, at = self._p0_margin
-        return 1.0 + (margin - 1.0) * math.exp(-max(0.0, self._clock() - at) / P0_MARGIN_DECAY_S)
+        return self._p0_margin_at(self._clock())
 
-    def _check_p0(self, missed: bool) -> None:
-        """One admitted P0's first token, on time or not: the margin on P0's predictions (NOTE(p0-margin))."""
+    def _p0_margin_at(self, now: float) -> float:
+        margin, at = self._p0_margin
+        return 1.0 + (margin - 1.0) * math.exp(-max(0.0, now - at) / P0_MARGIN_DECAY_S)
+
+    def _check_p0(self, missed: bool, now: float) -> None:
+        """One admitted P0's first token at ``now``, on time or not: the margin on P0's predictions (NOTE(p0-margin))."""
         self.p0_miss_share += P0_MISS_WEIGHT * (float(missed) - self.p0_miss_share)
-        margin = self.p0_margin
+        margin = self._p0_margin_at(now)
         if self.p0_miss_share > P0_MISS_HIGH:
             margin = min(P0_MARGIN_MAX, margin * P0_MARGIN_STEP)
         elif self.p0_miss_share < P0_MISS_LOW:
             margin = max(1.0, margin / P0_MARGIN_STEP)
-        self._p0_margin = (margin, self._clock())
+        self._p0_margin = (margin, now)
 
     def remove(self, key: str) -> None:
         """The request finished, failed, was shed or went away (or started: ``started``)."""
