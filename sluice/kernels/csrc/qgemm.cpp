@@ -269,6 +269,11 @@ template void tile_avx512<5>(const ActQ&, int64_t, const WPack&, int64_t, float*
 template void tile_avx512<6>(const ActQ&, int64_t, const WPack&, int64_t, float*);
 template void tile_avx512<7>(const ActQ&, int64_t, const WPack&, int64_t, float*);
 template void tile_avx512<8>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+// the ymm paths: up to 6 rows (NOTE(ymm-registers) in qgemm_ymm.inc)
+template void tile_avx2<5>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+template void tile_avx2<6>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+template void tile_avxvnni<5>(const ActQ&, int64_t, const WPack&, int64_t, float*);
+template void tile_avxvnni<6>(const ActQ&, int64_t, const WPack&, int64_t, float*);
 
 }  // namespace sluice
 
@@ -367,14 +372,15 @@ using TileFn = void (*)(const ActQ&, int64_t, const WPack&, int64_t, float*);
 
 constexpr int kMaxRows = 8;
 
-// rows one tile call serves on a path: 8 with AVX-512's 32 registers, else 4
-static int max_rows(int path) { return path == kAvx512Vnni ? kMaxRows : 4; }
+// rows one tile call serves on a path: 8 with AVX-512's 32 registers, 6 on the ymm
+// paths, 4 on the scalar one
+static int max_rows(int path) { return path == kAvx512Vnni ? kMaxRows : (path == kAvx2 || path == kAvxVnni) ? 6 : 4; }
 
 static TileFn pick(int path, int r) {
   static const TileFn table[4][kMaxRows] = {
       {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
-      {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>},
-      {tile_avxvnni<1>, tile_avxvnni<2>, tile_avxvnni<3>, tile_avxvnni<4>},
+      {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>, tile_avx2<5>, tile_avx2<6>},
+      {tile_avxvnni<1>, tile_avxvnni<2>, tile_avxvnni<3>, tile_avxvnni<4>, tile_avxvnni<5>, tile_avxvnni<6>},
       {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>, tile_avx512<5>, tile_avx512<6>,
        tile_avx512<7>, tile_avx512<8>},
   };
