@@ -298,9 +298,28 @@ class AdmissionController:
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
         return min(MAX_HIGHER_LOAD, lam / done * utilization)
 
-    def drain_wait(self, priority: int) -> float:
-        """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0."""
-        return 0.0 if priority == Priority.P0 else self._drain[priority].wait(self._clock())
+    def drain_wait(self, priority: int, load: EngineLoad | None = None) -> float:
+        """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0.
+
+        NOTE(idle-drain): the measured drain says how fast the class got its starts
+        while higher classes took the engine.  With none of the class queued and no
+        higher class running, waiting or queued (``load``), nothing is ahead of a new
+        request and an old drain no longer applies: the model decides.  Without this,
+        one stall (a request that waited 4 s while the engine started its profiler)
+        left a backlog and no start, and every request of the class was refused for
+        the ~4 s it took to decay, while the engine sat idle.
+        """
+        if priority == Priority.P0:
+            return 0.0
+        drain = self._drain[priority]
+        if load is not None and not drain.queued and not self._higher_busy(load, priority):
+            return 0.0
+        return drain.wait(self._clock())
+
+    def _higher_busy(self, load: EngineLoad, priority: int) -> bool:
+        """Whether a class above ``priority`` has requests in the engine or queued here."""
+        return any(load.num_running_by_priority[c] or load.num_waiting_by_priority[c] or self._drain[c].queued
+                   for c in range(priority))  # fmt: skip
 
     def predict(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the
@@ -309,7 +328,7 @@ class AdmissionController:
         model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority))
         if priority == Priority.P0:
             model *= self.p0_margin  # NOTE(p0-margin)
-        return max(model, self.drain_wait(priority))
+        return max(model, self.drain_wait(priority, load))
 
     def load(self) -> EngineLoad:
         """The engine's last stats plus the queued requests sent after them."""

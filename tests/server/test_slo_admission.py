@@ -383,6 +383,27 @@ def test_a_class_that_does_not_drain_is_refused_at_once_whatever_the_model_says(
     assert a.drain_wait(Priority.P1) == 0.0, "p1 never queued"
 
 
+def test_an_old_backlog_does_not_refuse_a_class_on_an_idle_engine() -> None:
+    # NOTE(idle-drain): a p2 waited 4 s without starting (the engine stalled), then expired
+    clock = FakeClock()
+    a = controller("p0=0.2s,p1=2s,p2=2s", clock)
+    a.observe_stats(stats())
+    a.admit("stalled", Priority.P2, 116, 100)
+    clock.now += 4.0
+    a.remove("stalled")  # shed as overdue: no start was ever counted
+    assert a.drain_wait(Priority.P2) > 2.0, "the drain alone still says the class is slow"
+    # the engine is idle and nothing of p2 or above is queued: the model decides, and admits
+    assert a.drain_wait(Priority.P2, a.load()) == 0.0
+    assert a.admit("next", Priority.P2, 116, 100).predicted_ttft < 2.0
+    a.remove("next")
+    # with a higher class running in the engine the measured drain still applies: refused
+    a.observe_stats(stats(num_running_by_priority=[0, 3, 0], num_running=3))
+    assert a.drain_wait(Priority.P2, a.load()) > 2.0
+    with pytest.raises(OverloadedError) as e:
+        a.admit("behind-p1", Priority.P2, 116, 100)
+    assert e.value.code == "slo_unattainable"
+
+
 def test_a_class_that_drains_fast_is_admitted_on_its_measured_rate() -> None:
     clock = FakeClock()
     a = controller("p0=0.2s,p1=0.45s,p2=5s", clock)
