@@ -11,7 +11,7 @@ import torch
 from sluice.kernels import autotune
 from sluice.kernels import qlinear as ql
 from sluice.kernels.linear import Linear, make_linear, pack_fp32, unpack_fp32
-from tests.kernels.test_qgemm import rand_qweight
+from tests.kernel_tests.test_qgemm import rand_qweight
 
 
 def test_compatible_quantized_parts_are_packed_as_one_matrix() -> None:
