@@ -15,14 +15,19 @@ from tests.server.conftest import scrape, start_fake_server, wait_for
 STEP_S = 0.4
 
 
-def _stream_p2(url: str, max_tokens: int, stop_after: int | None = None) -> list[str]:
-    """A streaming p2 completion; with ``stop_after``, hang up after that many chunks."""
+def _stream_p2(
+    url: str, max_tokens: int, stop_after: int | None = None, first: threading.Event | None = None
+) -> list[str]:
+    """A streaming p2 completion; with ``stop_after``, hang up after that many chunks. ``first`` is set
+    when the first token arrives: a step has just ended, so the next one has just begun."""
     chunks: list[str] = []
     body = {"model": "fake", "prompt": "hello there", "max_tokens": max_tokens, "stream": True, "temperature": 0}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers={"x-priority": "p2"}, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(line)
+                if first is not None:
+                    first.set()
                 if stop_after is not None and len(chunks) >= stop_after:
                     break
     return chunks
@@ -39,10 +44,15 @@ def _timed_p0(url: str) -> tuple[httpx.Response, float]:
 def test_a_p0_arriving_mid_step_is_answered_before_the_step_ends_and_aborts_wait_for_it() -> None:
     srv = start_fake_server(step_delay=STEP_S, engine_kwargs={"mid_step": True})
     try:
-        p2 = threading.Thread(target=_stream_p2, args=(srv.url, 6))
+        # Timed from a step's start (the p2's first token), so the p0 arrives in the step's first half:
+        # mid-step it is answered at the halfway mark (~0.15 s), otherwise when the step after ends
+        # (>= 0.7 s). Polling the metrics for "running" instead could land past the halfway mark, where
+        # a mid-step answer takes up to 0.4 s, and fail on a slow machine.
+        first = threading.Event()
+        p2 = threading.Thread(target=_stream_p2, args=(srv.url, 6), kwargs={"first": first})
         p2.start()
-        assert wait_for(lambda: scrape(srv.url).get("sluice_num_requests_running", 0) >= 1, timeout=5)
-        time.sleep(0.05)  # inside a 0.4 s step
+        assert first.wait(10), "the p2 streams"
+        time.sleep(0.05)  # inside a 0.4 s step, before its halfway mark
         r, elapsed = _timed_p0(srv.url)
         assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
         assert elapsed < STEP_S, f"answered mid-step, not after the running step and one more: {elapsed:.2f} s"
