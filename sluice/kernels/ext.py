@@ -114,9 +114,9 @@ def load(name: str) -> ModuleType:
         return mod
 
 
-def status() -> dict[str, dict[str, Any]]:
-    """How each extension was (or would be) loaded: tries to load all of them."""
-    for name in EXTENSIONS:
+def status(*names: str) -> dict[str, dict[str, Any]]:
+    """How each extension named (default: all of them) was (or would be) loaded: tries to load them."""
+    for name in names or EXTENSIONS:
         with contextlib.suppress(KernelUnavailableError):
             load(name)
-    return {k: dict(v) for k, v in _REG.info.items()}
+    return {k: dict(v) for k, v in _REG.info.items() if not names or k in names}
