@@ -76,6 +76,30 @@ sluice_time_to_first_token_seconds_count 5
         parse_replica_load("this is { not prometheus")
 
 
+def test_parse_replica_load_reads_only_its_series_and_still_rejects_non_prometheus_text() -> None:
+    # NOTE(scrape-filter): only the gauges the gateway reads reach the parser; other lines are skipped
+    buckets = "".join(f'sluice_e2e_request_latency_seconds_bucket{{priority="p1",le="{i}"}} {i}\n' for i in range(300))
+    text = f"""# HELP sluice_e2e_request_latency_seconds End-to-end {{latency}}, a help text with braces
+# TYPE sluice_e2e_request_latency_seconds histogram
+{buckets}sluice_e2e_request_latency_seconds_count{{priority="p1"}} 300 1700000000000
+# TYPE sluice_predicted_ttft_seconds gauge
+sluice_predicted_ttft_seconds{{priority="p0"}} 0.05
+sluice_predicted_ttft_seconds{{priority="p2"}} 4.5
+sluice_stage_seconds_total{{stage="a b {{c}}"}} 2.5
+# TYPE sluice_slo_ttft_target_seconds gauge
+sluice_slo_ttft_target_seconds{{priority="p0"}} 0.2
+sluice_lora_adapter_loaded{{adapter="sql"}} 1
+vllm:num_requests_running 2
+sluice_num_requests_running 1
+"""
+    load = parse_replica_load(text)
+    assert load.predicted_ttft == (0.05, 0.0, 4.5) and load.ttft_target == (0.2, 0.0, 0.0), load
+    assert load.num_running == 3 and dict(load.lora_adapters) == {"sql": True}, load
+    for bad in ("<html><body>502 Bad Gateway</body></html>", 'other_series{a="b"} not-a-number'):
+        with pytest.raises(ValueError):
+            parse_replica_load(text + bad + "\n")
+
+
 def test_operations_example_config_loads() -> None:
     cfg = load_config(EXAMPLE.parents[1] / "operations" / "gateway.yaml")
     assert cfg.degradation.policy.value == "graded" and cfg.rollout.auto_rollback
