@@ -112,7 +112,8 @@ def _wanted_lines(text: str) -> str:
             if len(parts) >= 3 and parts[1] in ("TYPE", "HELP") and parts[2] in _WANTED:
                 keep.append(line)
             continue
-        if line.split("{", 1)[0].split(None, 1)[0] in _WANTED:
+        name = line.split("{", 1)[0].split(None, 1)
+        if name and name[0] in _WANTED:
             keep.append(line)
             continue
         try:

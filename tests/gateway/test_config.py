@@ -86,6 +86,7 @@ def test_parse_replica_load_reads_only_its_series_and_still_rejects_non_promethe
 sluice_predicted_ttft_seconds{{priority="p0"}} 0.05
 sluice_predicted_ttft_seconds{{priority="p2"}} 4.5
 sluice_stage_seconds_total{{stage="a b {{c}}"}} 2.5
+{{no_name="x"}} 1
 # TYPE sluice_slo_ttft_target_seconds gauge
 sluice_slo_ttft_target_seconds{{priority="p0"}} 0.2
 sluice_lora_adapter_loaded{{adapter="sql"}} 1
