@@ -59,7 +59,9 @@ class's target without a first token has missed its target for good; it is
 shed (429, ``code: expired``, a jittered ``Retry-After``) rather than left to
 take engine time from requests that can still make theirs, or to hang until
 the client gives up.  P0 is never shed this way.  ``overdue`` sweeps the queue
-at most every ``OVERDUE_SWEEP_S``.
+at most every ``OVERDUE_SWEEP_S``.  A started request that a higher class
+preempted and left without output is the server's to shed (NOTE(stalled) in
+``serving``).
 
 NOTE(class-drain): the prediction models the engine; what it cannot see is how
 the engine's share actually falls to a class over time (the higher classes'

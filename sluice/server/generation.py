@@ -64,8 +64,10 @@ class Generation:
         on_started: Callable[[], None],
         on_choice_done: Callable[[Choice], None],
         priority_label: str = "p1",
+        stall_limit: float | None = None,
     ):
         self.priority_label = priority_label
+        self.stall_limit = stall_limit  # seconds without output, once started, before it is shed (NOTE(stalled))
         self.client = client
         self.stream = stream
         self.choices = choices
@@ -77,6 +79,7 @@ class Generation:
         self.is_started = False
         self._num_done = 0
         self.is_closed = False
+        self.last_output_at = arrival  # monotonic, the last output of any choice
 
     @property
     def is_done(self) -> bool:
@@ -101,6 +104,7 @@ class Generation:
             return None
         if o.error is not None:
             raise engine_error(o)
+        self.last_output_at = time.monotonic()
         if not self.is_started:
             self.is_started = True
             self._on_started()
@@ -135,6 +139,11 @@ class Generation:
             # UTF-8 sequence): a stream's first chunk marks its TTFT, not the first visible text.
             return None
         return Delta(c, text, lps, reason)
+
+    def is_stalled(self, now: float) -> bool:
+        """Started, unfinished, and no output for longer than ``stall_limit`` (NOTE(stalled))."""
+        return (self.stall_limit is not None and self.is_started and not self.is_done and not self.is_closed
+                and now - self.last_output_at > self.stall_limit)  # fmt: skip
 
     def close(self) -> None:
         """Abort what is still running (client gone, error, shed); idempotent."""

@@ -34,7 +34,7 @@ from sluice.errors import (
 )
 from sluice.obs.logging import REQUEST_LOGGER
 from sluice.obs.tracing import Tracing
-from sluice.server.admission import AdmissionController
+from sluice.server.admission import OVERDUE_FACTOR, OVERDUE_SWEEP_S, AdmissionController
 from sluice.server.codec import TextCodec
 from sluice.server.engine_client import EngineClient
 from sluice.server.generation import Choice, Generation
@@ -107,6 +107,7 @@ class OpenAIServing:
         self.tracing = tracing
         self.is_draining = is_draining
         self.inflight: dict[str, Generation] = {}  # RequestContext.uid -> generation
+        self._stall_swept_at = float("-inf")  # NOTE(stalled)
         self._token_text_cache: dict[int, str] = {}
 
     # -- request preparation -------------------------------------------------------
@@ -249,6 +250,8 @@ class OpenAIServing:
             on_started=lambda: self.admission.started(ctx.uid),
             priority_label=label,
             on_choice_done=lambda c: self._choice_done(ctx, c, label),
+            stall_limit=None if ctx.priority == Priority.P0 or decision.target is None
+            else OVERDUE_FACTOR * decision.target,  # NOTE(stalled)
         )
         self.inflight[ctx.uid] = gen
         self.metrics.queued.set(self.admission.num_queued)
@@ -256,10 +259,29 @@ class OpenAIServing:
 
     def shed_overdue(self) -> None:
         """Answer with 429 the queued requests that waited far past their class's target
-        (NOTE(overdue) in admission); called at each arrival and each engine step."""
+        (NOTE(overdue) in admission), and shed the started ones that stalled; called at each
+        arrival and each engine step.
+
+        NOTE(stalled): the queue sweep ends when a request's first output comes.  A
+        started request of a class below P0 can still be preempted by a higher class
+        (the engine's NOTE(take-from-lower)) and, while the higher classes fill the
+        engine, not be resumed at all: at 5x load on a 2-core EPYC one P2 streamed its
+        first tokens and then nothing until the client's 60-s timeout.  So a started
+        request below P0 with no output for ``OVERDUE_FACTOR`` times its class's
+        target is shed like an overdue one (code ``expired``, a jittered
+        ``Retry-After``; a stream gets an error event, then ``[DONE]``), and its engine
+        request is aborted.  P0 is never shed this way.
+        """
         for request_id in self.admission.overdue():
             self._shed(request_id, "no first token after twice its class's TTFT target: shed behind "
                                    "higher-priority work", "expired")  # fmt: skip
+        now = time.monotonic()
+        if now - self._stall_swept_at < OVERDUE_SWEEP_S:
+            return
+        self._stall_swept_at = now
+        for uid in [uid for uid, gen in self.inflight.items() if gen.is_stalled(now)]:
+            self._shed(uid, "preempted by higher-priority work and not resumed for twice its class's TTFT "
+                            "target: shed", "expired")  # fmt: skip
 
     def _shed(
         self,

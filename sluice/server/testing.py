@@ -6,7 +6,10 @@ fault-injection tests (engine death, drain, hundreds of clients) exercise the
 real server without a model:
 
 - one token per running request per step, after ``step_delay`` seconds; a free
-  slot goes to the most urgent class waiting (no preemption);
+  slot goes to the most urgent class waiting (no preemption, unless ``preempt``:
+  then a waiting request with no free slot takes the slot of the newest running
+  request of the lowest class below its own, which waits again with its output
+  kept, as the engine's NOTE(take-from-lower));
 - greedy (temperature 0): letters ``a..z`` cycling from ``sum(prompt) % 26``;
   sampled: letters from ``random.Random(seed)`` (reproducible with a seed);
 - KV accounting like the real engine: ``ceil(tokens / 16)`` blocks per request;
@@ -71,12 +74,15 @@ class FakeEngineCore:
         lora_load_delay: float = 0.0,
         busy_step: bool = False,  # spin through step_delay (CPU work a sampling profiler sees) instead of sleeping
         mid_step: bool = False,  # halfway through a step, start arrived P0s at once (the engine's NOTE(mid-step-express))
+        preempt: bool = False,  # a higher class takes a lower one's slot (the engine's NOTE(take-from-lower))
     ):
         time.sleep(load_delay)  # a slow model load, for /health tests
         self.config = config
         self.step_delay = step_delay
         self.busy_step = busy_step
         self.mid_step = mid_step
+        self.preempt = preempt
+        self.num_preemptions = 0
         self._arrivals: Callable[[], None] | None = None
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self.max_model_len = config.max_model_len or max_model_len
@@ -138,14 +144,15 @@ class FakeEngineCore:
             self._publish(early)
 
     def _start(self, r: _Req, now: float) -> bool:
-        need = math.ceil((len(r.req.prompt_token_ids) + 1) / BLOCK_SIZE)
+        need = math.ceil((len(r.req.prompt_token_ids) + len(r.output) + 1) / BLOCK_SIZE)  # a resumed one: its output too
         if need > self.num_free_blocks:
             return False
         self.waiting.remove(r)
         r.num_blocks = need
         self.num_free_blocks -= need
         assert r.timings is not None
-        r.timings.first_scheduled = now
+        if r.timings.first_scheduled is None:
+            r.timings.first_scheduled = now
         self.running.append(r)
         return True
 
@@ -173,6 +180,19 @@ class FakeEngineCore:
         self.waiting.sort(key=lambda r: r.req.priority)  # a free slot goes to the most urgent class (stable)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             if not self._start(self.waiting[0], now):
+                break
+        while self.preempt and self.waiting:
+            r = self.waiting[0]
+            lower = [v for v in self.running if v.req.priority > r.req.priority]
+            if not lower:
+                break
+            victim = max(lower, key=lambda v: (v.req.priority, self.running.index(v)))  # lowest class, newest
+            self.running.remove(victim)
+            self._free(victim)
+            self.waiting.append(victim)  # keeps its output; resumes when a slot is free
+            self.waiting.sort(key=lambda w: w.req.priority)
+            self.num_preemptions += 1
+            if not self._start(r, now):
                 break
         for r in list(self.running):
             outs.append(self._emit(r))
@@ -254,6 +274,7 @@ class FakeEngineCore:
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
             num_steps=self.num_steps,
+            num_preemptions=self.num_preemptions,
             num_decoding=len(self.running),
             num_decoding_by_priority=run,
             num_prefill_tokens_by_priority=prefill,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import random
 import time
@@ -359,6 +360,54 @@ async def test_an_admitted_request_pushed_back_by_higher_classes_gets_429_not_a_
             "the shed request was aborted in the engine"
         )
     assert 'sluice_admission_rejected_total{priority="p2",reason="expired"} 1.0' in text
+
+
+async def test_a_started_request_preempted_and_not_resumed_is_shed_not_left_to_hang(server_factory) -> None:
+    # NOTE(stalled): two slots, 50-ms steps, an engine where a higher class takes a lower one's slot. A p1
+    # (target 5 s) and a p2 (target 1 s) stream their first tokens, then two p0s of 60 tokens (3 s) take both
+    # slots. The p2, without output for 2 x 1 s, is shed with an error event; the p1 is not (2 x 5 s is longer
+    # than the p0s take) and finishes with every token once they are done.
+    srv = server_factory(step_delay=0.05, max_num_seqs=2, slo="p0=5s,p1=5s,p2=1s", engine_kwargs={"preempt": True})
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        first_token = {"p1": asyncio.Event(), "p2": asyncio.Event()}
+
+        async def stream(priority: str) -> tuple[list[dict], float]:
+            events, last_token_at = [], 0.0
+            body = {"prompt": "x", "max_tokens": 100, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body, headers={"x-priority": priority}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    events.append(ev)
+                    if "error" not in ev:
+                        last_token_at = time.monotonic()
+                        first_token[priority].set()
+            return events, last_token_at
+
+        p1, p2 = asyncio.create_task(stream("p1")), asyncio.create_task(stream("p2"))
+        await asyncio.wait_for(asyncio.gather(first_token["p1"].wait(), first_token["p2"].wait()), 10)
+        p0s = [asyncio.create_task(c.post("/v1/completions", json={"prompt": "y", "max_tokens": 60},
+                                          headers={"x-priority": "p0"})) for _ in range(2)]  # fmt: skip
+        p2_events, p2_last = await p2
+        shed_at = time.monotonic()
+        assert "error" in p2_events[-1] and p2_events[-1]["error"]["code"] == "expired", p2_events[-1]
+        assert 2.0 <= shed_at - p2_last < 2.4, f"shed {shed_at - p2_last:.2f} s after its last token"
+        assert not any(t.done() for t in p0s), "shed while the p0s still held both slots"
+        for t in p0s:
+            r = await t
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
+        p1_events, _ = await p1
+        assert "error" not in p1_events[-1], p1_events[-1]
+        assert sum(len(e["choices"][0]["text"]) for e in p1_events) == 100, "the preempted p1 resumed and finished"
+        assert srv.state.client.stats.num_preemptions >= 2
+        assert await until(lambda: srv.state.client.stats.num_waiting + srv.state.client.stats.num_running == 0), (
+            "the shed request was aborted in the engine"
+        )
+        text = (await c.get("/metrics")).text
+    assert 'sluice_admission_rejected_total{priority="p2",reason="expired"} 1.0' in text
+    assert 'sluice_admission_rejected_total{priority="p1",reason="expired"}' not in text
 
 
 def test_a_class_that_does_not_drain_is_refused_at_once_whatever_the_model_says() -> None:
