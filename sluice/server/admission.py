@@ -45,6 +45,17 @@ traffic counts within a second, not after five (a step from all-P2 traffic to
 remembered for five.  With ``rho`` near 1 the higher classes take
 the whole engine and the request is refused at once.  P0 has nothing above it.
 
+NOTE(surge-onset): a 1-s average still takes a second to see a surge: a
+quarter second into a step from an idle engine to 5x load it showed a fifth of
+the arrivals, and P1/P2 requests admitted then on a ``rho`` of 0.2-0.5 all
+expired 10 s later (two in three of the slow 429s of a 5x step on a 2-core
+EPYC).  So a request admitted while nothing is in flight (no request queued
+here, none in the engine) starts a busy period: the 1-s averages restart from
+zero, and until they have filled they are read as the mean rate since the
+period began (divided by the weight they have filled, over at least
+``ONSET_MIN_S``).  A surge from load already in flight is seen by the 1-s
+average as before.
+
 NOTE(refused-above): shedding goes lowest class first, so while a higher
 class is being refused for its predicted wait (within ``REFUSED_ABOVE_S``), a
 lower-class request is refused too, whatever its own prediction says: the
@@ -122,6 +133,7 @@ __all__ = ["AdmissionController", "Decision"]
 _EWMA = 0.1  # weight of a new sample in the measured means
 RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
 FAST_RATE_WINDOW_S = 1.0  # ... of the higher classes' arrival rate seen rising (NOTE(higher-arrivals))
+ONSET_MIN_S = 0.25  # the shortest time a busy period's arrivals are averaged over (NOTE(surge-onset))
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
@@ -248,6 +260,7 @@ class AdmissionController:
         self._completed = _Rate()  # finished requests/s
         self._busy = _Rate()  # seconds with work in the engine, per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
+        self._fast_since = float("-inf")  # the 1-s averages restarted here: a busy period's start (NOTE(surge-onset))
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
         self._drain = [_Drain() for _ in Priority]  # NOTE(class-drain)
@@ -292,9 +305,12 @@ class AdmissionController:
         # the share of each average's weight the time since the first stats covers: the 5-s averages
         # (done, busy, the arrivals) start low together; the 1-s one fills five times faster
         age = max(0.0, now - self._busy_since)
-        observed, observed_fast = 1.0 - math.exp(-age / RATE_WINDOW_S), 1.0 - math.exp(-age / FAST_RATE_WINDOW_S)
+        observed = 1.0 - math.exp(-age / RATE_WINDOW_S)
         if observed <= 0.0:
             return 0.0
+        # ... or since a busy period began, NOTE(surge-onset)
+        fast_age = max(ONSET_MIN_S, now - max(self._busy_since, self._fast_since))
+        observed_fast = 1.0 - math.exp(-fast_age / FAST_RATE_WINDOW_S)
         lam = sum(max(self._admitted[k].read(now), self._admitted_fast[k].read(now) * observed / observed_fast)
                   for k in range(int(priority)))  # fmt: skip
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
@@ -400,18 +416,26 @@ class AdmissionController:
         prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
         self.mean_prompt_tokens += _EWMA * (prompt - self.mean_prompt_tokens)
         load = self.load()
+        now = self._clock()
+        if not self._queued and self._engine_idle():  # a busy period starts (NOTE(surge-onset))
+            self._admitted_fast = [_Rate(FAST_RATE_WINDOW_S) for _ in Priority]
+            self._fast_since = now
         if self.slo is not None and load.is_measured:
             victims, predicted, target = self._predicted_wait(load, priority, prompt, victims, lower)
         for e in victims:
             self.remove(e.key)
         self._seq += 1
-        now = self._clock()
         self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now, target)
         self._num_tokens += num_tokens
         self._drain[priority].add(key, now)
         self._admitted[priority].tick(now)
         self._admitted_fast[priority].tick(now)
         return Decision([e.key for e in victims], predicted, target)
+
+    def _engine_idle(self) -> bool:
+        """Whether the engine's last stats showed no request in it (or none came yet)."""
+        s = self._stats
+        return s is None or s.num_running + s.num_waiting + s.num_loading == 0
 
     def _predicted_wait(
         self, load: EngineLoad, priority: Priority, prompt: int, victims: list[_Entry], lower: list[_Entry]

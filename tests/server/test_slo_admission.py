@@ -524,6 +524,35 @@ def test_a_surge_of_higher_class_arrivals_counts_within_a_second() -> None:
     assert 0.07 < a.higher_load(Priority.P1) < 0.13
 
 
+def test_a_surge_from_an_idle_engine_counts_within_a_quarter_second() -> None:
+    # NOTE(surge-onset): 30 s of P2 at 20/s (the engine's whole rate), 3 s idle, then P0 at 20/s
+    clock = FakeClock()
+    a = controller("p0=1s,p1=0.5s,p2=5s", clock)
+
+    def run(seconds: float, priority: Priority) -> None:  # 50-ms ticks: one admitted and started, one finished
+        for _ in range(round(seconds / 0.05)):
+            key = f"{priority.label}-{clock.now:.2f}"
+            a.admit(key, priority, 20, 10)
+            a.remove(key)
+            a.observe_output_tokens(16)
+            clock.now += 0.05
+            a.observe_stats(stats(num_running=3))  # the engine busy
+
+    run(30.0, Priority.P2)
+    a.observe_stats(stats())  # the engine drains and idles for 3 s
+    clock.now += 3.0
+    assert a.higher_load(Priority.P1) == 0.0
+    run(0.25, Priority.P0)  # five P0s in a quarter second
+    rho = a.higher_load(Priority.P1)
+    one_second_average = 1.0 - math.exp(-0.25 / admission.FAST_RATE_WINDOW_S)  # its share of the rate by now
+    assert rho > 0.8 > 3 * one_second_average, f"the surge's rate is seen at once: rho {rho:.2f}"
+    with pytest.raises(OverloadedError) as e:  # 0.115 s of queue, times 1 / (1 - rho) > 0.5 s
+        a.admit("p1", Priority.P1, 116, 100)
+    assert e.value.code == "slo_unattainable"
+    run(2.0, Priority.P0)  # in the same busy period: the 1-s average has filled, and reads the same
+    assert a.higher_load(Priority.P1) > 0.8
+
+
 def test_p0_predictions_grow_while_admitted_p0s_miss_and_shrink_back_once_they_do_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
