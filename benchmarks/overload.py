@@ -219,6 +219,8 @@ async def send(session: aiohttp.ClientSession, server: Server, i: int, priority:
                         chunk = json.loads(data)
                         if "error" in chunk:
                             rec.error = "error event in stream"
+                            with contextlib.suppress(AttributeError):
+                                rec.code = str(chunk["error"].get("code") or "")
                             return rec
                         if rec.ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
                             rec.ttft = time.perf_counter() - start
@@ -363,6 +365,9 @@ def summarize(records: list[Record], health: list[float], targets: dict[str, flo
     out["shed_answer_p50_s"] = _pct(answered, 0.50)
     out["shed_answer_p99_s"] = _pct(answered, 0.99)
     out["shed_within_50ms"] = sum(1 for a in answered if a <= 0.05) / len(answered) if answered else None
+    # a started request shed mid-stream (sluice's NOTE(stalled)): an error event after HTTP 200, by code
+    in_stream = [r.code or "?" for r in records if r.error == "error event in stream"]
+    out["stream_errors_by_code"] = {c: in_stream.count(c) for c in sorted(set(in_stream))}
     codes: dict[str, list[float]] = {}
     for r in shed:
         codes.setdefault(r.code or "?", []).append(r.answered or 0.0)

@@ -373,3 +373,23 @@ def test_kernel_paths_keeps_each_columns_best_round_and_compares_with_the_first_
     rows = kp.table_rows(["auto", "avx2"], best, {"auto": "amx+avx512vnni", "avx2": "avx2"})
     assert rows[0] == ["auto", "amx+avx512vnni", "8.00", "11.00", "16.00", "50.00", "1.00x"]
     assert rows[1][-1] == "2.00x"
+
+
+def test_overload_summary_counts_sheds_by_code_and_mid_stream_errors_apart() -> None:
+    from benchmarks import overload
+
+    targets = {"p0": 0.1, "p1": 2.0, "p2": 5.0}
+    records = [
+        overload.Record("p0", 0.1, 200, ttft=0.05, answered=0.01),
+        overload.Record("p1", 0.2, 429, answered=0.004, code="slo_unattainable", retry_after="2"),
+        overload.Record("p2", 0.3, 429, answered=10.02, code="expired", retry_after="1"),
+        # started, then shed mid-stream (NOTE(stalled)): HTTP 200, an error event, no 429
+        overload.Record("p2", 0.4, 200, ttft=0.3, answered=0.3, error="error event in stream", code="expired"),
+        overload.Record("p2", 0.5, 0, error="timeout"),
+    ]
+    s = overload.summarize(records, [0.01], targets, 1.0)
+    assert s["shed_by_code"] == {"expired": {"count": 1, "answer_p99_s": 10.02},
+                                 "slo_unattainable": {"count": 1, "answer_p99_s": 0.004}}  # fmt: skip
+    assert s["stream_errors_by_code"] == {"expired": 1}
+    assert s["classes"]["p2"]["shed"] == 1 and s["classes"]["p2"]["errors"] == 2 and s["num_timeouts"] == 1
+    assert s["shed_within_50ms"] == 0.5
