@@ -34,11 +34,16 @@ served first: a lower-class request admitted on today's queue is later shed
 from the queue (a slow 429) or misses its target.  So the prediction of class
 c is divided by ``1 - rho``, where ``rho`` is the admitted arrival rate of the
 classes above c over the engine's capacity: the wait of a preemptive priority
-queue.  The capacity is the measured completion rate per second of engine
+queue.  The capacity is the work the engine does per second of engine
 work (time with requests in the engine, between its stats messages; all
-exponentially weighted over ``RATE_WINDOW_S``), not the completion rate itself: on a lightly loaded engine
-that only echoes the arrivals, and a P1 request after a few P0 ones would see
-``rho`` = 1 on an idle engine.  The arrival rate is the larger of its 5-s
+exponentially weighted over ``RATE_WINDOW_S``), in requests, not the completion rate itself: on a
+lightly loaded engine that only echoes the arrivals, and a P1 request after a few P0 ones would see
+``rho`` = 1 on an idle engine.  NOTE(work-rate): the work is the tokens its
+steps ran (prompt and generated), over a mean request's (its prompt plus its
+output); completions per busy second were the measure before, but a batch
+that drains finishes requests whose work was done earlier: after a closed loop
+of 128 ended, they counted 29 requests/s on an engine that did 13, and for the
+first seconds of the surge that followed ``rho`` was half the truth.  The arrival rate is the larger of its 5-s
 average and a 1-s one (``FAST_RATE_WINDOW_S``): a surge of higher-class
 traffic counts within a second, not after five (a step from all-P2 traffic to
 2x load admitted P2 requests for 2 s, and they all expired), while a fall is
@@ -52,9 +57,12 @@ expired 10 s later (two in three of the slow 429s of a 5x step on a 2-core
 EPYC).  So a request admitted while nothing is in flight (no request queued
 here, none in the engine) starts a busy period: the 1-s averages restart from
 zero, and until they have filled they are read as the mean rate since the
-period began (divided by the weight they have filled, over at least
-``ONSET_MIN_S``).  A surge from load already in flight is seen by the 1-s
-average as before.
+period began (divided by the weight they have filled), once the period is
+``ONSET_MIN_S`` old.  Before that its arrivals are a burst, not yet a rate,
+and are read as they are: reading a wave of 8 requests sent at once as 32 a
+second (8 over a quarter second) stretched the predictions of the P2s in it
+tenfold, on an engine that served them within a second.  A surge from load
+already in flight is seen by the 1-s average as before.
 
 NOTE(refused-above): shedding goes lowest class first, so while a higher
 class is being refused for its predicted wait (within ``REFUSED_ABOVE_S``), a
@@ -133,7 +141,7 @@ __all__ = ["AdmissionController", "Decision"]
 _EWMA = 0.1  # weight of a new sample in the measured means
 RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
 FAST_RATE_WINDOW_S = 1.0  # ... of the higher classes' arrival rate seen rising (NOTE(higher-arrivals))
-ONSET_MIN_S = 0.25  # the shortest time a busy period's arrivals are averaged over (NOTE(surge-onset))
+ONSET_MIN_S = 0.25  # a busy period's arrivals count as a rate once it is this old (NOTE(surge-onset))
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
@@ -257,7 +265,7 @@ class AdmissionController:
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
         self._admitted = [_Rate() for _ in Priority]  # admitted requests/s by class
         self._admitted_fast = [_Rate(FAST_RATE_WINDOW_S) for _ in Priority]  # ... seen rising (NOTE(higher-arrivals))
-        self._completed = _Rate()  # finished requests/s
+        self._tokens = _Rate()  # tokens the engine's steps ran per second (NOTE(work-rate))
         self._busy = _Rate()  # seconds with work in the engine, per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
         self._fast_since = float("-inf")  # the 1-s averages restarted here: a busy period's start (NOTE(surge-onset))
@@ -284,6 +292,8 @@ class AdmissionController:
         if prev is not None and prev.num_running + prev.num_waiting + prev.num_loading > 0:
             # the engine had work all the time since the last stats (steps, and what it does between them)
             self._busy.tick(now, min(now - self._stats_at, RATE_WINDOW_S))
+        if prev is not None and stats.num_steps > prev.num_steps:  # the steps since (one, nearly always)
+            self._tokens.tick(now, (stats.num_steps - prev.num_steps) * stats.num_batched_tokens)
         self._stats = stats
         self._stats_at = now
 
@@ -292,14 +302,15 @@ class AdmissionController:
             self.mean_output_tokens = float(num_generated)
         self._num_finished += 1
         self.mean_output_tokens += _EWMA * (num_generated - self.mean_output_tokens)
-        self._completed.tick(self._clock())
 
     def higher_load(self, priority: int) -> float:
         """``rho`` of NOTE(higher-arrivals): the classes above ``priority``'s admitted rate over the
-        engine's capacity, requests finished per second with work in the engine (0 while unmeasured), at
-        most ``MAX_HIGHER_LOAD``."""
+        engine's capacity, requests' worth of work done per second with work in the engine
+        (NOTE(work-rate); 0 while unmeasured), at most ``MAX_HIGHER_LOAD``."""
         now = self._clock()
-        done, busy = self._completed.read(now), self._busy.read(now)
+        busy = self._busy.read(now)
+        # a request's work: its prompt's prefill and a decode for each generated token after the first
+        done = self._tokens.read(now) / max(1.0, self.mean_prompt_tokens + self.mean_output_tokens - 1.0)
         if done <= 0.0 or busy <= 0.0 or self._busy_since is None:
             return 0.0
         # the share of each average's weight the time since the first stats covers: the 5-s averages
@@ -309,8 +320,12 @@ class AdmissionController:
         if observed <= 0.0:
             return 0.0
         # ... or since a busy period began, NOTE(surge-onset)
-        fast_age = max(ONSET_MIN_S, now - max(self._busy_since, self._fast_since))
-        observed_fast = 1.0 - math.exp(-fast_age / FAST_RATE_WINDOW_S)
+        if self._fast_since <= self._busy_since:
+            observed_fast = 1.0 - math.exp(-age / FAST_RATE_WINDOW_S)
+        elif (onset_age := now - self._fast_since) >= ONSET_MIN_S:
+            observed_fast = 1.0 - math.exp(-onset_age / FAST_RATE_WINDOW_S)
+        else:  # a busy period this young: its arrivals are a burst, not yet a rate
+            observed_fast = 1.0
         lam = sum(max(self._admitted[k].read(now), self._admitted_fast[k].read(now) * observed / observed_fast)
                   for k in range(int(priority)))  # fmt: skip
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
@@ -414,6 +429,8 @@ class AdmissionController:
             )
         predicted = target = None
         prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        if self._seq == 0:  # the first measurement replaces the guess
+            self.mean_prompt_tokens = float(prompt)
         self.mean_prompt_tokens += _EWMA * (prompt - self.mean_prompt_tokens)
         load = self.load()
         now = self._clock()

@@ -83,6 +83,8 @@ class FakeEngineCore:
         self.mid_step = mid_step
         self.preempt = preempt
         self.num_preemptions = 0
+        self.num_batched_tokens = 0  # the last step's
+        self._step_tokens = 0
         self._arrivals: Callable[[], None] | None = None
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self.max_model_len = config.max_model_len or max_model_len
@@ -150,6 +152,7 @@ class FakeEngineCore:
         self.waiting.remove(r)
         r.num_blocks = need
         self.num_free_blocks -= need
+        self._step_tokens += len(r.req.prompt_token_ids) + len(r.output)  # its prefill (a resumed one: recompute)
         assert r.timings is not None
         if r.timings.first_scheduled is None:
             r.timings.first_scheduled = now
@@ -168,6 +171,7 @@ class FakeEngineCore:
         elif self.step_delay:
             time.sleep(self.step_delay)
         self.num_steps += 1
+        self._step_tokens = len(self.running)  # a token for each decode, plus the prefills started below
         outs: list[EngineOutput] = []
         now = time.monotonic()
         if self.to_abort:
@@ -196,6 +200,7 @@ class FakeEngineCore:
                 break
         for r in list(self.running):
             outs.append(self._emit(r))
+        self.num_batched_tokens = self._step_tokens
         return outs
 
     def _emit(self, r: _Req) -> EngineOutput:
@@ -274,6 +279,7 @@ class FakeEngineCore:
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
             num_steps=self.num_steps,
+            num_batched_tokens=self.num_batched_tokens,
             num_preemptions=self.num_preemptions,
             num_decoding=len(self.running),
             num_decoding_by_priority=run,

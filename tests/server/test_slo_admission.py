@@ -26,6 +26,9 @@ from sluice.types import Priority
 from tests.server.conftest import until
 
 
+_steps_run = [0]  # the engine's step counter in every stats() (``ran`` adds a step)
+
+
 class FakeClock:
     def __init__(self, now: float = 10.0):
         self.now = now
@@ -35,9 +38,19 @@ class FakeClock:
 
 
 def stats(**kw: object) -> EngineStats:
-    base: dict[str, object] = dict(step_time_base=0.01, step_time_per_token=0.001, max_num_batched_tokens=512, max_num_seqs=64)
+    base: dict[str, object] = dict(step_time_base=0.01, step_time_per_token=0.001, max_num_batched_tokens=512, max_num_seqs=64,
+                                   num_steps=_steps_run[0])  # fmt: skip
     base.update(kw)
     return EngineStats(**base)  # type: ignore[arg-type]
+
+
+REQUEST_TOKENS = 25  # a 10-token prompt and 16 generated (15 decodes): one request's work (NOTE(work-rate))
+
+
+def ran(num_requests: float, **kw: object) -> EngineStats:
+    """The stats after one more step, that ran ``num_requests`` requests' worth of tokens (the capacity)."""
+    _steps_run[0] += 1
+    return stats(num_batched_tokens=round(num_requests * REQUEST_TOKENS), **kw)
 
 
 def controller(slo: str, clock: FakeClock, policy: str = "wfq", seed: int = 0) -> AdmissionController:
@@ -236,14 +249,15 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     load = a.load()
     base = predict_ttft(load, Priority.P2, 100)
     assert a.predict(load, Priority.P2, 100) == pytest.approx(base), "nothing measured yet: the queue alone"
-    for i in range(600):  # 30 s: P0 admitted at 60 req/s and started at once, 80 req/s finished, the engine always busy
+    a.mean_prompt_tokens = 10.0
+    for i in range(600):  # 30 s: P0 admitted at 60 req/s and started at once, 80 req/s of work, the engine always busy
         for k in range(3):
             a.admit(f"p0-{i}-{k}", Priority.P0, 20, 10)
             a.remove(f"p0-{i}-{k}")
         for _ in range(4):
             a.observe_output_tokens(16)
         clock.now += 0.05
-        a.observe_stats(stats(num_running=3))  # work in the engine all the time
+        a.observe_stats(ran(4, num_running=3))  # work in the engine all the time
     assert a.higher_load(Priority.P0) == 0.0, "nothing is above P0"
     assert a.higher_load(Priority.P2) == pytest.approx(0.75, rel=0.05)
     load = a.load()
@@ -261,13 +275,14 @@ def test_higher_classes_on_a_lightly_loaded_engine_do_not_stretch_a_lower_class(
     # every finished request was a P0 one, but the engine had work 0.1 s of each second: rho is 0.1, not 1
     clock = FakeClock()
     a = controller("p0=1s,p1=0.2s,p2=5s", clock)
+    a.mean_prompt_tokens = 10.0
     for i in range(20):
         a.admit(f"p0-{i}", Priority.P0, 20, 10)
         a.remove(f"p0-{i}")
         a.observe_output_tokens(16)
         a.observe_stats(stats(num_running=1))
         clock.now += 0.1
-        a.observe_stats(stats())  # done, idle for 0.9 s
+        a.observe_stats(ran(1))  # done, idle for 0.9 s
         clock.now += 0.9
     assert a.higher_load(Priority.P1) == pytest.approx(0.1, rel=0.15)  # (measured once a second: within 15%)
     load = a.load()
@@ -504,7 +519,9 @@ def test_a_surge_of_higher_class_arrivals_counts_within_a_second() -> None:
     clock = FakeClock()
     a = controller("p0=1s,p1=2s,p2=5s", clock)
 
-    def run(seconds: float, p0_per_tick: int) -> None:  # ticks of 50 ms; 20 finished/s; the engine always busy
+    a.mean_prompt_tokens = 10.0
+
+    def run(seconds: float, p0_per_tick: int) -> None:  # ticks of 50 ms; 20 requests' work/s; the engine always busy
         for _ in range(round(seconds / 0.05)):
             for k in range(p0_per_tick):
                 key = f"p0-{clock.now:.2f}-{k}"
@@ -512,7 +529,7 @@ def test_a_surge_of_higher_class_arrivals_counts_within_a_second() -> None:
                 a.remove(key)
             a.observe_output_tokens(16)
             clock.now += 0.05
-            a.observe_stats(stats(num_running=3))
+            a.observe_stats(ran(1, num_running=3))
 
     run(30.0, 0)
     assert a.higher_load(Priority.P1) == 0.0
@@ -524,33 +541,64 @@ def test_a_surge_of_higher_class_arrivals_counts_within_a_second() -> None:
     assert 0.07 < a.higher_load(Priority.P1) < 0.13
 
 
-def test_a_surge_from_an_idle_engine_counts_within_a_quarter_second() -> None:
+def test_a_surge_from_an_idle_engine_counts_once_it_is_a_quarter_second_old() -> None:
     # NOTE(surge-onset): 30 s of P2 at 20/s (the engine's whole rate), 3 s idle, then P0 at 20/s
     clock = FakeClock()
     a = controller("p0=1s,p1=0.5s,p2=5s", clock)
 
-    def run(seconds: float, priority: Priority) -> None:  # 50-ms ticks: one admitted and started, one finished
+    a.mean_prompt_tokens = 10.0
+
+    def run(seconds: float, priority: Priority) -> None:  # 50-ms ticks: one admitted and started, one's work done
         for _ in range(round(seconds / 0.05)):
             key = f"{priority.label}-{clock.now:.2f}"
             a.admit(key, priority, 20, 10)
             a.remove(key)
             a.observe_output_tokens(16)
             clock.now += 0.05
-            a.observe_stats(stats(num_running=3))  # the engine busy
+            a.observe_stats(ran(1, num_running=3))  # the engine busy
 
     run(30.0, Priority.P2)
     a.observe_stats(stats())  # the engine drains and idles for 3 s
     clock.now += 3.0
     assert a.higher_load(Priority.P1) == 0.0
-    run(0.25, Priority.P0)  # five P0s in a quarter second
+    run(0.1, Priority.P0)  # two P0s in 0.1 s: a burst, not yet a rate
+    assert a.higher_load(Priority.P1) < 0.15
+    run(0.2, Priority.P0)  # six P0s in 0.3 s
     rho = a.higher_load(Priority.P1)
-    one_second_average = 1.0 - math.exp(-0.25 / admission.FAST_RATE_WINDOW_S)  # its share of the rate by now
+    one_second_average = 1.0 - math.exp(-0.3 / admission.FAST_RATE_WINDOW_S)  # its share of the rate by now
     assert rho > 0.8 > 3 * one_second_average, f"the surge's rate is seen at once: rho {rho:.2f}"
     with pytest.raises(OverloadedError) as e:  # 0.115 s of queue, times 1 / (1 - rho) > 0.5 s
         a.admit("p1", Priority.P1, 116, 100)
     assert e.value.code == "slo_unattainable"
     run(2.0, Priority.P0)  # in the same busy period: the 1-s average has filled, and reads the same
     assert a.higher_load(Priority.P1) > 0.8
+
+
+def test_a_draining_batch_does_not_count_as_capacity() -> None:
+    # NOTE(work-rate): 20 s of full-batch P2 work at 20 requests/s; then the closed loop ends and the batch
+    # drains: 128 requests finish within a second on a tenth of the work; then P0 arrives at 20/s
+    clock = FakeClock()
+    a = controller("p0=1s,p1=0.5s,p2=5s", clock)
+    a.mean_prompt_tokens = 10.0
+    for i in range(400):
+        a.admit(f"p2-{i}", Priority.P2, 20, 10)
+        a.remove(f"p2-{i}")
+        a.observe_output_tokens(16)
+        clock.now += 0.05
+        a.observe_stats(ran(1, num_running=128))
+    for i in range(20):  # the drain: 6.4 completions a tick, the last decodes of a shrinking batch
+        for _ in range(6):
+            a.observe_output_tokens(16)
+        clock.now += 0.05
+        a.observe_stats(ran(0.1, num_running=128 - 6 * i))
+    for i in range(40):  # 2 s of P0 at 20/s, the engine's whole rate, on the engine still finishing its batch
+        a.admit(f"p0-{i}", Priority.P0, 20, 10)
+        a.remove(f"p0-{i}")
+        a.observe_output_tokens(16)
+        clock.now += 0.05
+        a.observe_stats(ran(1, num_running=8))
+    rho = a.higher_load(Priority.P1)
+    assert rho > 0.8, f"rho {rho:.2f}: the drain's completions (~120/s for a second) counted as capacity"
 
 
 def test_p0_predictions_grow_while_admitted_p0s_miss_and_shrink_back_once_they_do_not(
