@@ -94,6 +94,7 @@ class EngineCore:
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own, when seeded
         self._pending_aborts: list[str] = []
         self._num_steps = 0
+        self._num_batched_tokens_total = 0  # every step's, nested ones too
         self._last_step_time = 0.0
         self._last_batched = 0
         self._last_budget = config.max_num_batched_tokens
@@ -205,6 +206,7 @@ class EngineCore:
             outputs += self._run(sched, self._mid_step if self._mid_step_on and not express else None)
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
+            self._num_batched_tokens_total += sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = time.monotonic()
             if self._mid_step_time:  # the step's own time: the nested steps were observed on their own
@@ -276,6 +278,7 @@ class EngineCore:
         outputs = self._run(sched)
         t1 = time.monotonic()
         self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
+        self._num_batched_tokens_total += sched.num_batched_tokens
         self._mid_step_time += t1 - t0
         self.num_express_steps += 1
         self.num_mid_step_express += 1
@@ -447,6 +450,7 @@ class EngineCore:
             num_steps=self._num_steps,
             step_time=self._last_step_time,
             num_batched_tokens=self._last_batched,
+            num_batched_tokens_total=self._num_batched_tokens_total,
             num_decoding=sum(decoding),
             num_decoding_by_priority=decoding,
             num_prefill_tokens_by_priority=prefill_tokens,

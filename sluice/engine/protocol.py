@@ -229,6 +229,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0  # cumulative
     step_time: float = 0.0  # seconds, last step
     num_batched_tokens: int = 0  # last step
+    num_batched_tokens_total: int = 0  # cumulative: every step's, nested express steps' too (NOTE(work-rate) in admission)
     num_decoding: int = 0  # running requests past their prefill (one token a step each)
     num_decoding_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     # tokens still to prefill (waiting requests, chunked prefills; a preempted request's recompute), by class

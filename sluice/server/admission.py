@@ -39,8 +39,8 @@ work (time with requests in the engine, between its stats messages; all
 exponentially weighted over ``RATE_WINDOW_S``), in requests, not the completion rate itself: on a
 lightly loaded engine that only echoes the arrivals, and a P1 request after a few P0 ones would see
 ``rho`` = 1 on an idle engine.  NOTE(work-rate): the work is the tokens its
-steps ran (prompt and generated), over a mean request's (its prompt plus its
-output); completions per busy second were the measure before, but a batch
+steps ran (prompt and generated; the nested express steps' too, where P0
+prefills run mid-step), over a mean request's (its prompt plus its output); completions per busy second were the measure before, but a batch
 that drains finishes requests whose work was done earlier: after a closed loop
 of 128 ended, they counted 29 requests/s on an engine that did 13, and for the
 first seconds of the surge that followed ``rho`` was half the truth.  The arrival rate is the larger of its 5-s
@@ -292,8 +292,8 @@ class AdmissionController:
         if prev is not None and prev.num_running + prev.num_waiting + prev.num_loading > 0:
             # the engine had work all the time since the last stats (steps, and what it does between them)
             self._busy.tick(now, min(now - self._stats_at, RATE_WINDOW_S))
-        if prev is not None and stats.num_steps > prev.num_steps:  # the steps since (one, nearly always)
-            self._tokens.tick(now, (stats.num_steps - prev.num_steps) * stats.num_batched_tokens)
+        if prev is not None and stats.num_batched_tokens_total > prev.num_batched_tokens_total:
+            self._tokens.tick(now, stats.num_batched_tokens_total - prev.num_batched_tokens_total)
         self._stats = stats
         self._stats_at = now
 

@@ -84,6 +84,7 @@ class FakeEngineCore:
         self.preempt = preempt
         self.num_preemptions = 0
         self.num_batched_tokens = 0  # the last step's
+        self.num_batched_tokens_total = 0
         self._step_tokens = 0
         self._arrivals: Callable[[], None] | None = None
         self._publish: Callable[[list[EngineOutput]], None] | None = None
@@ -152,7 +153,9 @@ class FakeEngineCore:
         self.waiting.remove(r)
         r.num_blocks = need
         self.num_free_blocks -= need
-        self._step_tokens += len(r.req.prompt_token_ids) + len(r.output)  # its prefill (a resumed one: recompute)
+        prefill = len(r.req.prompt_token_ids) + len(r.output)  # a resumed one recomputes its output too
+        self._step_tokens += prefill
+        self.num_batched_tokens_total += prefill
         assert r.timings is not None
         if r.timings.first_scheduled is None:
             r.timings.first_scheduled = now
@@ -172,6 +175,7 @@ class FakeEngineCore:
             time.sleep(self.step_delay)
         self.num_steps += 1
         self._step_tokens = len(self.running)  # a token for each decode, plus the prefills started below
+        self.num_batched_tokens_total += len(self.running)
         outs: list[EngineOutput] = []
         now = time.monotonic()
         if self.to_abort:
@@ -280,6 +284,7 @@ class FakeEngineCore:
             num_free_blocks=self.num_free_blocks,
             num_steps=self.num_steps,
             num_batched_tokens=self.num_batched_tokens,
+            num_batched_tokens_total=self.num_batched_tokens_total,
             num_preemptions=self.num_preemptions,
             num_decoding=len(self.running),
             num_decoding_by_priority=run,

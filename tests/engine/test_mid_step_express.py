@@ -78,8 +78,14 @@ def test_a_p0_arriving_mid_step_gets_its_first_token_before_the_step_ends(
 
     engine.set_arrivals(take_arrivals, lambda outs: published.append((engine._num_steps, outs)))
     free_before = engine.block_manager.num_free_blocks
+    tokens_before = engine.make_stats().num_batched_tokens_total
     step_outs = engine.step()
     assert polls >= 1 and engine.num_mid_step_express == 1, "the P0s ran nested in the decode step"
+    stats = engine.make_stats()
+    assert stats.num_batched_tokens == len(P2_PROMPTS), "the outer step: one decode per P2"
+    assert stats.num_batched_tokens_total - tokens_before == len(P2_PROMPTS) + sum(map(len, P0_PROMPTS.values())), (
+        "the work the engine did counts the nested step's prefills too (NOTE(work-rate) in admission)"
+    )
     ((step_no, early),) = published
     assert step_no == 3 and sorted(o.request_id for o in early) == ["p0-a", "p0-b"], (
         "their first tokens were published while the fourth step was still running"

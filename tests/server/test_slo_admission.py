@@ -26,7 +26,7 @@ from sluice.types import Priority
 from tests.server.conftest import until
 
 
-_steps_run = [0]  # the engine's step counter in every stats() (``ran`` adds a step)
+_tokens_run = [0]  # the engine's cumulative batched tokens in every stats() (``ran`` adds a step's)
 
 
 class FakeClock:
@@ -39,7 +39,7 @@ class FakeClock:
 
 def stats(**kw: object) -> EngineStats:
     base: dict[str, object] = dict(step_time_base=0.01, step_time_per_token=0.001, max_num_batched_tokens=512, max_num_seqs=64,
-                                   num_steps=_steps_run[0])  # fmt: skip
+                                   num_batched_tokens_total=_tokens_run[0])  # fmt: skip
     base.update(kw)
     return EngineStats(**base)  # type: ignore[arg-type]
 
@@ -49,8 +49,8 @@ REQUEST_TOKENS = 25  # a 10-token prompt and 16 generated (15 decodes): one requ
 
 def ran(num_requests: float, **kw: object) -> EngineStats:
     """The stats after one more step, that ran ``num_requests`` requests' worth of tokens (the capacity)."""
-    _steps_run[0] += 1
-    return stats(num_batched_tokens=round(num_requests * REQUEST_TOKENS), **kw)
+    _tokens_run[0] += round(num_requests * REQUEST_TOKENS)
+    return stats(**kw)
 
 
 def controller(slo: str, clock: FakeClock, policy: str = "wfq", seed: int = 0) -> AdmissionController:
