@@ -25,7 +25,6 @@ from sluice.server.slo import MID_STEP_WAIT_S, EngineLoad, SloTargets, predict_t
 from sluice.types import Priority
 from tests.server.conftest import until
 
-
 _tokens_run = [0]  # the engine's cumulative batched tokens in every stats() (``ran`` adds a step's)
 
 
