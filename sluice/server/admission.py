@@ -156,6 +156,11 @@ P0_MARGIN_MAX = 8.0  # ... between 1 and this
 P0_MARGIN_DECAY_S = 5.0  # ... and fade back to 1 with this time constant
 
 
+def _has_work(s: EngineStats) -> bool:
+    """Whether the stats show a request in the engine: running, waiting or loading."""
+    return s.num_running + s.num_waiting + s.num_loading > 0
+
+
 class _Rate:
     """Events per second, exponentially weighted over ``window`` seconds (``RATE_WINDOW_S``)."""
 
@@ -289,7 +294,7 @@ class AdmissionController:
         prev, now = self._stats, self._clock()
         if self._busy_since is None:
             self._busy_since = now
-        if prev is not None and prev.num_running + prev.num_waiting + prev.num_loading > 0:
+        if prev is not None and _has_work(prev):
             # the engine had work all the time since the last stats (steps, and what it does between them)
             self._busy.tick(now, min(now - self._stats_at, RATE_WINDOW_S))
         if prev is not None and stats.num_batched_tokens_total > prev.num_batched_tokens_total:
@@ -451,8 +456,7 @@ class AdmissionController:
 
     def _engine_idle(self) -> bool:
         """Whether the engine's last stats showed no request in it (or none came yet)."""
-        s = self._stats
-        return s is None or s.num_running + s.num_waiting + s.num_loading == 0
+        return self._stats is None or not _has_work(self._stats)
 
     def _predicted_wait(
         self, load: EngineLoad, priority: Priority, prompt: int, victims: list[_Entry], lower: list[_Entry]

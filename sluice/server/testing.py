@@ -83,9 +83,7 @@ class FakeEngineCore:
         self.mid_step = mid_step
         self.preempt = preempt
         self.num_preemptions = 0
-        self.num_batched_tokens = 0  # the last step's
         self.num_batched_tokens_total = 0
-        self._step_tokens = 0
         self._arrivals: Callable[[], None] | None = None
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self.max_model_len = config.max_model_len or max_model_len
@@ -153,9 +151,7 @@ class FakeEngineCore:
         self.waiting.remove(r)
         r.num_blocks = need
         self.num_free_blocks -= need
-        prefill = len(r.req.prompt_token_ids) + len(r.output)  # a resumed one recomputes its output too
-        self._step_tokens += prefill
-        self.num_batched_tokens_total += prefill
+        self.num_batched_tokens_total += len(r.req.prompt_token_ids) + len(r.output)  # a resumed one recomputes
         assert r.timings is not None
         if r.timings.first_scheduled is None:
             r.timings.first_scheduled = now
@@ -174,8 +170,7 @@ class FakeEngineCore:
         elif self.step_delay:
             time.sleep(self.step_delay)
         self.num_steps += 1
-        self._step_tokens = len(self.running)  # a token for each decode, plus the prefills started below
-        self.num_batched_tokens_total += len(self.running)
+        self.num_batched_tokens_total += len(self.running)  # a token for each decode (prefills: in _start)
         outs: list[EngineOutput] = []
         now = time.monotonic()
         if self.to_abort:
@@ -204,7 +199,6 @@ class FakeEngineCore:
                 break
         for r in list(self.running):
             outs.append(self._emit(r))
-        self.num_batched_tokens = self._step_tokens
         return outs
 
     def _emit(self, r: _Req) -> EngineOutput:
@@ -283,7 +277,6 @@ class FakeEngineCore:
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
             num_steps=self.num_steps,
-            num_batched_tokens=self.num_batched_tokens,
             num_batched_tokens_total=self.num_batched_tokens_total,
             num_preemptions=self.num_preemptions,
             num_decoding=len(self.running),
