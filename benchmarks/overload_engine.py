@@ -4,6 +4,8 @@
     python benchmarks/overload_engine.py --step-s 5      # smoke
     python benchmarks/overload_engine.py --loads 1 --mix 1,0,0 --section overload_engine_p0
         # P0 alone at 1x: the 5x step of overload.py once admission has shed every lower class
+    python benchmarks/overload_engine.py --rate 18 --loads 1 --mix 1,0,0 --modes mid-step --seeds 1,2,3 --no-write
+        # a fixed load (no closed loop), one mode, three arrival sequences: an A/B between two builds
 
 ``benchmarks/overload.py`` measures through HTTP with the load generator on
 the same 2 cores, where the API process and the client add tens of
@@ -163,6 +165,10 @@ def main() -> None:
     ap.add_argument("--loads", default="1,3", help="multiples of the capacity")
     ap.add_argument("--model", default="smollm2", help="what the engine loads (default: the embedded SmolLM2)")
     ap.add_argument("--mix", default="0.2,0.3,0.5", help="P0,P1,P2 shares of the open-loop arrivals")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="the capacity the loads multiply (req/s), given: no closed loop (a fixed load for A/Bs)")
+    ap.add_argument("--modes", default=",".join(MODES), help="which express-step modes run, of " + ",".join(MODES))
+    ap.add_argument("--seeds", default="", help="comma-separated arrival seeds, one run each (default: 10 x the load)")
     ap.add_argument("--section", default="overload_engine", help="the docs/benchmarks.md section written")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -173,26 +179,34 @@ def main() -> None:
         raise SystemExit(f"--mix: expected three shares like 0.2,0.3,0.5, got {args.mix!r}") from None
     if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
         raise SystemExit(f"--mix: expected three non-negative shares like 0.2,0.3,0.5, got {args.mix!r}")
-    cap = capacity(args.concurrency, args.calibrate_s, targets, args.model)
-    print(f"capacity {cap:.1f} req/s", flush=True)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes: expected some of {','.join(MODES)}, got {args.modes!r}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"--seeds: expected integers like 0,1,2, got {args.seeds!r}") from None
+    cap = args.rate or capacity(args.concurrency, args.calibrate_s, targets, args.model)
+    print(f"capacity {cap:.1f} req/s{' (given)' if args.rate else ''}", flush=True)
     results = []
     for mult in (float(x) for x in args.loads.split(",")):
-        for mode in MODES:
-            r = run_load(mode, mult * cap, args.step_s, args.concurrency, targets, seed=int(mult * 10), model=args.model,
-                         mix=mix)  # fmt: skip
-            r["load"] = mult
-            results.append(r)
-            p0 = r["classes"].get("p0", {})
-            print(f"{mult:g}x express steps {mode}: P0 TTFT p50/p99 "
-                  f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f} ms, attainment "
-                  f"{p0.get('attainment', 0):.1%}; {r['completed_rps']:.1f} first tokens/s", flush=True)  # fmt: skip
-    headers = ["load", "express steps", "P0 TTFT p50/p95/p99 (ms)", "P0 attainment", "P1 TTFT p50 (ms)",
+        for seed in seeds or [int(mult * 10)]:
+            for mode in modes:
+                r = run_load(mode, mult * cap, args.step_s, args.concurrency, targets, seed=seed, model=args.model,
+                             mix=mix)  # fmt: skip
+                r["load"], r["seed"] = mult, seed
+                results.append(r)
+                p0 = r["classes"].get("p0", {})
+                print(f"{mult:g}x seed {seed} express steps {mode}: P0 TTFT p50/p99 "
+                      f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f} ms, attainment "
+                      f"{p0.get('attainment', 0):.1%}; {r['completed_rps']:.1f} first tokens/s", flush=True)  # fmt: skip
+    headers = ["load", "seed", "express steps", "P0 TTFT p50/p95/p99 (ms)", "P0 attainment", "P1 TTFT p50 (ms)",
                "P2 TTFT p50 (ms)", "requests started/s", "steps (express, mid-step)", "mean step (ms)"]  # fmt: skip
     rows = []
     for r in results:
         c = r["classes"]
         p0 = c.get("p0", {})
-        rows.append([f"{r['load']:g}x", r["mode"],
+        rows.append([f"{r['load']:g}x", r["seed"], r["mode"],
                      f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p95_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f}",
                      f"{p0.get('attainment', 0):.1%}", f"{c.get('p1', {}).get('ttft_p50_ms', 0):.0f}",
                      f"{c.get('p2', {}).get('ttft_p50_ms', 0):.0f}", f"{r['completed_rps']:.1f}",
@@ -205,10 +219,11 @@ def main() -> None:
         title = "" if mix == MIX else f", arrivals {shares}% P0/P1/P2"
         body = (f"## Overload, the engine alone{title} (`benchmarks/overload_engine.py`)\n\n"
                 f"`{cmd}` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
-                f"nothing is shed). Capacity {cap:.1f} req/s (closed loop of {args.concurrency}, the 20/30/50% class mix); open-loop "
+                f"nothing is shed). Capacity {cap:.1f} req/s ("
+                f"{'given' if args.rate else f'closed loop of {args.concurrency}, the 20/30/50% class mix'}); open-loop "
                 f"Poisson for {args.step_s:g} s per load, {shares}% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
                 f"tokens; targets P0 {args.p0_target:g} s, P1 2 s, P2 5 s. TTFT: arrival to the end of the step "
-                f"with the first token (for a mid-step express step: when it was published, mid-step). Express steps mid-step (as in `sluice serve`), at step boundaries only, and off run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
+                f"with the first token (for a mid-step express step: when it was published, mid-step). Express steps mid-step (as in `sluice serve`), at step boundaries only, and off ({', '.join(modes)} here) run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
         write_section(args.section, body)
     print_json_last({"benchmark": "overload_engine", "capacity_rps": cap, "results": results})
 

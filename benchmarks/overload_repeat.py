@@ -75,7 +75,8 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-_TIMELINE = ("sluice_num_requests_waiting_by_priority", "sluice_predicted_ttft_seconds")
+_TIMELINE = ("sluice_num_requests_waiting_by_priority", "sluice_predicted_ttft_seconds",
+             "sluice_num_requests_running_by_priority")
 
 
 async def _sample(url: str, t0: float, into: list[tuple[float, dict[str, float]]]) -> None:
@@ -105,10 +106,13 @@ def _timeline(samples: list[tuple[float, dict[str, float]]], records: list[ov.Re
         rows.append([sec, len(p0), sum(1 for r in p0 if not r.is_served or (r.ttft or 0) > targets["p0"]),
                      len(p1), sum(1 for r in p1 if r.is_served),
                      sum(1 for r in p1 if r.is_served and (r.ttft or 0) > targets["p1"]),
+                     sum(1 for r in rs if r.priority == "p2" and r.is_served),
                      *(f"{mean(_TIMELINE[0], c):.1f}" for c in ov.CLASSES),
-                     *(f"{mean(_TIMELINE[1], c):.2f}" for c in ("p1", "p2"))])  # fmt: skip
-    return markdown_table(["s", "p0 sent", "p0 missed", "p1 sent", "p1 admitted+served", "p1 late",
-                           "engine waiting p0", "p1", "p2", "predicted TTFT p1 (s)", "p2 (s)"], rows)  # fmt: skip
+                     *(f"{mean(_TIMELINE[1], c):.2f}" for c in ("p1", "p2")),
+                     *(f"{mean(_TIMELINE[2], c):.1f}" for c in ov.CLASSES)])  # fmt: skip
+    return markdown_table(["s", "p0 sent", "p0 missed", "p1 sent", "p1 admitted+served", "p1 late", "p2 served",
+                           "engine waiting p0", "p1", "p2", "predicted TTFT p1 (s)", "p2 (s)",
+                           "engine running p0", "p1", "p2"], rows)  # fmt: skip
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -312,6 +312,23 @@ def test_overload_engine_run_reports_every_class_and_counts_express_steps(tmp_pa
     assert set(solo["classes"]) == {"p0"} and solo["classes"]["p0"]["sent"] == solo["sent"] > 10, "--mix 1,0,0: P0 only"
 
 
+def test_overload_engine_at_a_given_rate_runs_each_seed_of_the_chosen_modes(tmp_path: Path) -> None:
+    from tests.model_factory import make_tiny_model_dir
+
+    model = str(make_tiny_model_dir(tmp_path / "tiny-llama"))
+    script = str(ROOT / "benchmarks" / "overload_engine.py")
+    args = [sys.executable, script, "--model", model, "--loads", "1", "--step-s", "0.5", "--no-write"]
+    proc = subprocess.run([*args, "--rate", "30", "--modes", "mid-step", "--seeds", "4,5"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["capacity_rps"] == 30.0, "--rate: the given capacity, no closed loop"
+    assert [(r["mode"], r["seed"], r["rate"]) for r in out["results"]] == [("mid-step", 4, 30.0), ("mid-step", 5, 30.0)]
+    assert out["results"][0]["sent"] != out["results"][1]["sent"] or out["results"][0]["classes"] != out["results"][1]["classes"]
+    bad = subprocess.run([*args, "--rate", "30", "--modes", "sideways"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--modes" in bad.stderr and "Traceback" not in bad.stderr
+
+
 # ---------------------------------------------------------------- overload_repeat
 
 
@@ -341,15 +358,19 @@ def test_overload_repeat_timeline_counts_misses_and_late_admissions_per_second()
         overload.Record("p1", 0.2, 200, ttft=2.5),  # served, late
         overload.Record("p1", 0.3, 429),
         overload.Record("p1", 1.2, 200, ttft=0.4),
+        overload.Record("p2", 0.4, 200, ttft=3.0),
+        overload.Record("p2", 0.6, 429),
     ]
     g = 'sluice_num_requests_waiting_by_priority{priority="p1"}'
-    samples = [(0.0, {g: 2.0}), (0.5, {g: 4.0}), (1.1, {g: 1.0})]
+    r = 'sluice_num_requests_running_by_priority{priority="p0"}'
+    samples = [(0.0, {g: 2.0, r: 5.0}), (0.5, {g: 4.0, r: 7.0}), (1.1, {g: 1.0})]
     lines = overload_repeat._timeline(samples, records, targets).splitlines()
     second0 = [c.strip() for c in lines[2].strip("|").split("|")]
     second1 = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert second0[:6] == ["0", "3", "2", "2", "1", "1"], second0
-    assert second0[7] == "3.0", "the mean of the second's samples"
-    assert second1[:6] == ["1", "0", "0", "1", "1", "0"], second1
+    assert second0[:7] == ["0", "3", "2", "2", "1", "1", "1"], second0
+    assert second0[8] == "3.0", "the mean of the second's samples"
+    assert second0[12] == "6.0", "P0 running in the engine, the mean of the second's samples"
+    assert second1[:7] == ["1", "0", "0", "1", "1", "0", "0"], second1
 
 
 def test_overload_repeat_children_include_the_process_itself() -> None:
