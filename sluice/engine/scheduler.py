@@ -55,7 +55,7 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.block_manager import BlockManager
@@ -322,6 +322,17 @@ class Scheduler:
         while recent and recent[0][0] < horizon:
             recent.popleft()
         return recent[0][1] if recent else None
+
+    def p0_prefills(self) -> Iterator[tuple[Request, int]]:
+        """P0's prefill work in the order a step takes it (chunked prefills running, then the waiting
+        requests, FIFO), each with the tokens it has left to compute (a waiting one's cached prefix not).
+        Lazy: a caller that stops early looks no waiting request's prefix up past it."""
+        for r in self.running:
+            if r.priority == Priority.P0 and not r.is_prefill_done:
+                yield r, r.num_tokens - r.num_computed_tokens
+        size = self.block_manager.block_size
+        for r in self.waiting.of_class(Priority.P0):
+            yield r, r.num_tokens - size * len(self.block_manager.lookup_prefix(r))
 
     def urgent_prefill(self) -> tuple[int, int]:
         """(sequences, tokens) of P0 prefill work with a TTFT target: waiting, or a chunked prefill running."""

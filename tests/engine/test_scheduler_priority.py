@@ -430,6 +430,62 @@ def test_with_mid_step_express_steps_the_rows_may_take_two_thirds_of_the_target(
     assert engine._row_cap() == 84
 
 
+def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_llama: Path) -> None:
+    """NOTE(express-deadline): where a step's time grows with its prompts, a burst is split so the oldest
+    P0s make their target; a P0 already past saving does not bound the step."""
+    engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=32)
+    for i in range(12):
+        engine.add_request(EngineRequest(request_id=f"p2-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY, priority=2))
+    for _ in range(3):
+        engine.step()
+    now = 1000.0
+    engine.scheduler.clock = lambda: now
+
+    def known_model() -> None:  # the real steps' times vary with the machine: only these rates
+        engine.step_model = StepTimeModel()
+        for n, q in ((16, 16), (200, 4), (12, 12), (64, 2)) * 4:
+            engine.step_model.observe(n, 0.01 + 0.001 * n, q)  # 10 ms + 1 ms a token: one 20-token P0 30 ms, two 50
+
+    def p0(rid: str, arrival: float, target: float = 0.06) -> None:  # 20 tokens, no prefix shared
+        first = 100 + 20 * len(engine.scheduler.requests)
+        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=list(range(first, first + 20)),
+                                         sampling=GREEDY, priority=0, ttft_target=target, arrival_time=arrival))  # fmt: skip
+
+    for i in range(4):
+        p0(f"p0-{i}", now)
+    known_model()
+    budget = engine._token_budget()
+    assert budget is not None and 2 * budget > 40, "twice the bounded budget would start a third P0's prefill"
+    assert engine._express_budget(budget) == 40, "two P0s end at 50 ms, within 60; a third would end at 70"
+    outs = engine.step()
+    assert engine.num_express_steps == 1
+    assert {o.request_id for o in outs if o.new_token_ids} == {"p0-0", "p0-1"}, "the two oldest, whole"
+
+    # 20 ms later: the third alone ends at 50 ms, within its 60; with the fourth at 70 ms
+    now += 0.02
+    known_model()
+    assert engine._express_budget(engine._token_budget()) == 20
+    outs = engine.step()
+    assert {o.request_id for o in outs if o.new_token_ids} == {"p0-2"}
+
+    # a P0 already past its deadline is served first (FIFO) but bounds nothing
+    engine.step()  # the fourth
+    known_model()
+    p0("late", now - 0.1)
+    for rid in ("a", "b", "c"):
+        p0(rid, now)
+    assert engine._express_budget(engine._token_budget()) == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
+    # a prompt whose first block is cached counts only what is left to compute
+    engine.add_request(EngineRequest(request_id="again", prompt_token_ids=engine.scheduler.requests["p0-0"].prompt_token_ids,
+                                     sampling=GREEDY, priority=0, ttft_target=0.06, arrival_time=now))  # fmt: skip
+    assert dict((r.request_id, n) for r, n in engine.scheduler.p0_prefills())["again"] == 4
+    # with a target they all meet, the step takes them all (the budget is the cap)
+    for r, _ in engine.scheduler.p0_prefills():
+        r.ttft_target = 1.0
+    budget = engine._token_budget()
+    assert engine._express_budget(budget) == min(512, 2 * budget)
+
+
 def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama: Path) -> None:
     engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=32)
     for i in range(12):
