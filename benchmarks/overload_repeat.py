@@ -118,8 +118,8 @@ def _timeline(samples: list[tuple[float, dict[str, float]]], records: list[ov.Re
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     ns = argparse.Namespace(sluice_args=args.sluice_args)
     with ov.start_server("sluice", ns) as server:
-        lone = args.lone_ttft or await ov.lone_ttft(server, args.max_tokens)
         cap = args.rate or await ov.capacity(server, args.concurrency, args.calibrate_s, args.max_tokens, 0)
+        lone = args.lone_ttft or await ov.lone_ttft(server, args.max_tokens)  # after: NOTE(capacity-first)
         rate = args.mult * cap
         targets = ov.targets_for(lone)
         print(f"lone TTFT {lone * 1000:.0f} ms{' (given)' if args.lone_ttft else ''}, {'given' if args.rate else 'measured'} capacity {cap:.2f} req/s, "
