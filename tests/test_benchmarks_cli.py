@@ -414,3 +414,37 @@ def test_overload_summary_counts_sheds_by_code_and_mid_stream_errors_apart() -> 
     assert s["stream_errors_by_code"] == {"expired": 1}
     assert s["classes"]["p2"]["shed"] == 1 and s["classes"]["p2"]["errors"] == 2 and s["num_timeouts"] == 1
     assert s["shed_within_50ms"] == 0.5
+
+
+def test_overload_measures_the_capacity_before_the_lone_p0_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(capacity-first): the lone P0s' target would bound sluice's batches during the closed loop."""
+    import argparse
+    import asyncio
+
+    from benchmarks import overload
+
+    calls: list[str] = []
+
+    async def capacity(*_: Any) -> float:
+        calls.append("capacity")
+        return 10.0
+
+    async def lone_ttft(*_: Any) -> float:
+        calls.append("lone_ttft")
+        return 0.02
+
+    async def server_sums(*_: Any) -> dict[str, float]:
+        return {}
+
+    async def load_step(_server: Any, rate: float, *_: Any) -> tuple[list[Any], list[float]]:
+        calls.append(f"load_step {rate:g}")
+        return [overload.Record("p0", 0.1, 200, ttft=0.05)], [0.01]
+
+    for name, fn in {"capacity": capacity, "lone_ttft": lone_ttft, "server_sums": server_sums,
+                     "load_step": load_step}.items():  # fmt: skip
+        monkeypatch.setattr(overload, name, fn)
+    args = argparse.Namespace(concurrency=4, calibrate_s=1.0, max_tokens=4, seed=0, loads=(3.0,), step_s=1.0,
+                              timeout=5.0, pause_s=0.0)  # fmt: skip
+    out = asyncio.run(overload.run_server(overload.Server("sluice", "http://127.0.0.1:1", "m", False), args))
+    assert calls == ["capacity", "lone_ttft", "load_step 30"]
+    assert out["capacity_rps"] == 10.0 and out["lone_ttft_s"] == 0.02
