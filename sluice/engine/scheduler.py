@@ -71,7 +71,7 @@ BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request'
 BEHIND_STEPS = 2.0  # ... or once what is left of its target is less than this many step cycles (NOTE(behind))
 CYCLE_DECAY = 0.8  # per schedule(): memory of the step cycle time (NOTE(behind))
 IDLE_GAP_S = 0.5  # a gap between schedule() calls longer than this is idle time, not a step cycle
-TARGET_MEMORY_S = 10.0  # how long a TTFT target seen keeps bounding the step time (EngineCore)
+TARGET_MEMORY_S = 2.0  # how long a TTFT target seen keeps bounding the step time (EngineCore, NOTE(target-memory))
 PEAK_DECAY_S = 5.0  # time constant of the decaying peak of running requests by class (NOTE(trunk-reservation))
 
 
@@ -316,12 +316,33 @@ class Scheduler:
         return max(1, limit)
 
     def tightest_ttft_target(self) -> float | None:
-        """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds."""
+        """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds and of
+        those still before their first token (each class's oldest waiting one, the running prefills).
+
+        NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(step-cap),
+        NOTE(row-cap)) before the next request with it arrives, so a target is remembered for a
+        while after its request came.  That was 10 s, and one P0 request then capped the rows of
+        every step for that long: through HTTP, 64 closed-loop P2 clients beside P0 arrivals at
+        0.5/s were served at 29-30 req/s with 10 s against 31-38 with 1 s (three rounds, every P0
+        within target either way; a P0 arriving into an unbounded step starts mid-step,
+        NOTE(mid-step-express)).  At 2 P0/s the 1-s memory gained nothing (28-32 against 22-31
+        req/s) and P0 missed 4 of 135 against 1 of 135: each gap of a second lets the batch grow,
+        and (presumably) the P0s that come while it drains wait out longer steps.  Two seconds keeps the bound on
+        through P0 traffic of a few a second (a gap of 2 s at 2/s is one in 55) and lifts it where
+        P0 is rare.  A request still waiting, or in its prefill, keeps its target in force however
+        long ago it came (``benchmarks/sparse_p0.py``, docs/benchmarks.md).
+        """
         horizon = self.clock() - TARGET_MEMORY_S
         recent = self._recent_targets
         while recent and recent[0][0] < horizon:
             recent.popleft()
-        return recent[0][1] if recent else None
+        best = recent[0][1] if recent else None
+        pending = [r for c in Priority if (r := self.waiting.head(c)) is not None]
+        pending += [r for r in self.running if not r.is_prefill_done]
+        for r in pending:
+            if r.ttft_target > 0.0 and (best is None or r.ttft_target < best):
+                best = r.ttft_target
+        return best
 
     def p0_prefills(self) -> Iterator[tuple[Request, int]]:
         """P0's prefill work in the order a step takes it (chunked prefills running, then the waiting

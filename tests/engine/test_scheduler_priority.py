@@ -14,7 +14,7 @@ from sluice.engine.block_manager import BlockManager
 from sluice.engine.core import EngineCore
 from sluice.engine.protocol import EngineRequest, SamplingParams
 from sluice.engine.request import Request, RequestStatus
-from sluice.engine.scheduler import Scheduler, SchedulerOutput
+from sluice.engine.scheduler import TARGET_MEMORY_S, Scheduler, SchedulerOutput
 from sluice.engine.step_model import StepTimeModel
 from sluice.types import Priority
 
@@ -179,8 +179,30 @@ def test_step_budget_can_be_bounded_and_tight_targets_are_remembered_for_a_while
     out = sched.schedule(token_budget=20)
     assert out.num_batched_tokens == 20 and out.token_budget == 20, "the step must stay within the bounded budget"
     assert sched.schedule(token_budget=1000).token_budget == 64, "never over max_num_batched_tokens"
-    clock.now += 11.0
+    while any(not r.is_prefill_done for r in sched.requests.values()):  # both get their first tokens
+        apply(sched, sched.schedule())
+    clock.now += TARGET_MEMORY_S + 0.01
     assert sched.tightest_ttft_target() is None, "a target seen long ago no longer bounds the step"
+
+
+def test_a_tight_target_bounds_steps_while_its_request_waits_and_for_about_a_second_after() -> None:
+    """NOTE(target-memory): one P0 request must not bound every step for long after it came, but
+    a P0 still waiting for its first token keeps its target in force however old it is."""
+    assert TARGET_MEMORY_S <= 2.0, "a sparse P0 would bound the lower classes' batches for seconds"
+    clock = FakeClock(100.0)
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=4, clock=clock)
+    sched.add_request(make_request("p2", Priority.P2, num_tokens=8, ttft_target=5.0))
+    sched.add_request(make_request("p0", Priority.P0, num_tokens=8, ttft_target=0.3))
+    clock.now += 3.0  # the engine was busy elsewhere: p0 still waits
+    assert sched.tightest_ttft_target() == 0.3, "a waiting P0 bounds the steps whenever it came"
+    apply(sched, sched.schedule())  # both prefilled: first tokens
+    assert sched.tightest_ttft_target() is None, "no request before its first token, none added lately"
+    sched.add_request(make_request("p0b", Priority.P0, num_tokens=8, ttft_target=0.3))
+    apply(sched, sched.schedule())
+    clock.now += TARGET_MEMORY_S / 2
+    assert sched.tightest_ttft_target() == 0.3, "remembered a while after its request came"
+    clock.now += TARGET_MEMORY_S / 2 + 0.01
+    assert sched.tightest_ttft_target() is None, "then the lower classes' batches are free again"
 
 
 def _engine(model: Path, **kw: object) -> EngineCore:
