@@ -264,9 +264,9 @@ async def capacity(server: Server, concurrency: int, seconds: float, max_tokens:
     bound its steps (NOTE(row-cap) in sluice.engine.core), its closed-loop rate drops,
     and every load multiple would be a multiple of that smaller rate.
 
-    NOTE(capacity-first): so it runs before ``lone_ttft``: the lone P0 requests' target keeps
-    bounding sluice's batches for 10 s after them (the scheduler's ``TARGET_MEMORY_S``), over the
-    loop's first half.  Measured on a 2-core Zen 4 EPYC, one server, 20-s loops: 39.3 req/s (106
+    NOTE(capacity-first): so it runs before ``lone_ttft``: the lone P0 requests' target kept
+    bounding sluice's batches for 10 s after them (the scheduler's ``TARGET_MEMORY_S`` then; 2 s
+    since NOTE(target-memory)), over the loop's first half.  Measured on a 2-core Zen 4 EPYC, one server, 20-s loops: 39.3 req/s (106
     steps) with no P0 before, 34.3 req/s (327 steps) right after the lone requests; fresh
     servers measured lone-first gave 20.3-25.8 req/s, where the 3x step then served 34-38 req/s.
     """
@@ -417,7 +417,7 @@ def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 async def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     # NOTE(capacity-first): the closed loop runs before the lone P0 requests, whose target would
-    # bound the loop's batches for the scheduler's TARGET_MEMORY_S (10 s) otherwise
+    # bound the loop's batches for the scheduler's TARGET_MEMORY_S otherwise
     cap = await capacity(server, args.concurrency, args.calibrate_s, args.max_tokens, args.seed)
     lone = await lone_ttft(server, args.max_tokens)
     targets = targets_for(lone)

@@ -448,3 +448,43 @@ def test_overload_measures_the_capacity_before_the_lone_p0_requests(monkeypatch:
     out = asyncio.run(overload.run_server(overload.Server("sluice", "http://127.0.0.1:1", "m", False), args))
     assert calls == ["capacity", "lone_ttft", "load_step 30"]
     assert out["capacity_rps"] == 10.0 and out["lone_ttft_s"] == 0.02
+
+
+def test_sparse_p0_runs_a_p2_alone_phase_before_each_p0_rate_and_tabulates_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round compares P2 alone with P2 beside sparse P0, on one server, after the last phase's target passed."""
+    import argparse
+    import asyncio
+    import contextlib
+
+    from benchmarks import sparse_p0
+
+    calls: list[tuple[float, float]] = []
+    pauses: list[float] = []
+
+    @contextlib.contextmanager
+    def start_server(*_: Any) -> Any:
+        yield sparse_p0.ov.Server("sluice", "http://127.0.0.1:1", "m", False)
+
+    async def lone_ttft(*_: Any) -> float:
+        return 0.02
+
+    async def phase(_server: Any, _users: int, seconds: float, rate: float, target: float, _seed: int) -> dict[str, Any]:
+        calls.append((rate, target))
+        return {"p0_rate": rate, "p2_rps": 30.0 - rate, "p0_sent": 4 if rate else 0, "p0_within": 3 if rate else 0,
+                "p0_refused": 1 if rate else 0, "p0_ttft_p50_s": 0.03 if rate else None,
+                "p0_ttft_max_s": 0.2 if rate else None}  # fmt: skip
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+
+    monkeypatch.setattr(sparse_p0.ov, "start_server", start_server)
+    monkeypatch.setattr(sparse_p0.ov, "lone_ttft", lone_ttft)
+    monkeypatch.setattr(sparse_p0, "phase", phase)
+    monkeypatch.setattr(sparse_p0.asyncio, "sleep", sleep)
+    args = argparse.Namespace(sluice_args="", users=8, phase_s=5.0, p0_rates=(0.5, 2.0), rounds=2)
+    out = asyncio.run(sparse_p0.run(args))
+    assert [r for r, _ in calls] == [0.0, 0.0, 0.5, 2.0, 0.0, 0.5, 2.0], "a warm-up, then P2 alone first in each round"
+    assert all(t == pytest.approx(0.08) for _, t in calls[1:]), "P0's target is 4x the lone TTFT"
+    assert len(pauses) == 6 and min(pauses) > sparse_p0.TARGET_MEMORY_S, "each phase starts once the last one's target passed"
+    text = sparse_p0.table(out)
+    assert "| 1 | none | 30.0 | - | - | - |" in text and "| 2 | 2/s | 28.0 | 3/4 | 1 | 30 / 200 |" in text
