@@ -317,7 +317,7 @@ class Scheduler:
 
     def tightest_ttft_target(self) -> float | None:
         """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds and of
-        those still before their first token (each class's oldest waiting one, the running prefills).
+        those waiting or in their prefill (each class's oldest waiting one, the running prefills).
 
         NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(step-cap),
         NOTE(row-cap)) before the next request with it arrives, so a target is remembered for a
