@@ -327,10 +327,12 @@ class Scheduler:
         within target either way; a P0 arriving into an unbounded step starts mid-step,
         NOTE(mid-step-express)).  At 2 P0/s the 1-s memory gained nothing (28-32 against 22-31
         req/s) and P0 missed 4 of 135 against 1 of 135: each gap of a second lets the batch grow,
-        and (presumably) the P0s that come while it drains wait out longer steps.  Two seconds keeps the bound on
-        through P0 traffic of a few a second (a gap of 2 s at 2/s is one in 55) and lifts it where
-        P0 is rare.  A request still waiting, or in its prefill, keeps its target in force however
-        long ago it came (``benchmarks/sparse_p0.py``, docs/benchmarks.md).
+        and (presumably) the P0s that come while it drains wait out longer steps.  Two seconds
+        keeps the bound on through P0 traffic of a few a second (a gap of 2 s at 2/s is one in 55)
+        and lifts it where P0 is rare.  At 1 P0/s it is not settled: against 10 s, P2 was served
+        7-13% slower in three rounds through HTTP, and 22% faster and 9% slower in two in-process.
+        A request still waiting, or in its prefill, keeps its target in force however long ago it
+        came (``benchmarks/sparse_p0.py``, docs/benchmarks.md).
         """
         horizon = self.clock() - TARGET_MEMORY_S
         recent = self._recent_targets

@@ -185,7 +185,7 @@ def test_step_budget_can_be_bounded_and_tight_targets_are_remembered_for_a_while
     assert sched.tightest_ttft_target() is None, "a target seen long ago no longer bounds the step"
 
 
-def test_a_tight_target_bounds_steps_while_its_request_waits_and_for_about_a_second_after() -> None:
+def test_a_tight_target_bounds_steps_while_its_request_waits_and_briefly_after() -> None:
     """NOTE(target-memory): one P0 request must not bound every step for long after it came, but
     a P0 still waiting for its first token keeps its target in force however old it is."""
     assert TARGET_MEMORY_S <= 2.0, "a sparse P0 would bound the lower classes' batches for seconds"
