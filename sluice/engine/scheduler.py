@@ -321,30 +321,20 @@ class Scheduler:
 
         NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(step-cap),
         NOTE(row-cap)) before the next request with it arrives, so a target is remembered for a
-        while after its request came.  That was 10 s, and one P0 request then capped the rows of
-        every step for that long: through HTTP, 64 closed-loop P2 clients beside P0 arrivals at
-        0.5/s were served at 29-30 req/s with 10 s against 31-38 with 1 s (three rounds, every P0
-        within target either way; a P0 arriving into an unbounded step starts mid-step,
-        NOTE(mid-step-express)).  At 2 P0/s the 1-s memory gained nothing (28-32 against 22-31
-        req/s) and P0 missed 4 of 135 against 1 of 135: each gap of a second lets the batch grow,
-        and (presumably) the P0s that come while it drains wait out longer steps.  Two seconds
-        keeps the bound on through P0 traffic of a few a second (a gap of 2 s at 2/s is one in 55)
-        and lifts it where P0 is rare.  At 1 P0/s it is not settled: against 10 s, P2 was served
-        7-13% slower in three rounds through HTTP, and 22% faster and 9% slower in two in-process.
-        A request still waiting, or in its prefill, keeps its target in force however long ago it
-        came (``benchmarks/sparse_p0.py``, docs/benchmarks.md).
+        while after its request came.  With 10 s, one P0 every few seconds kept the lower classes'
+        batches bounded all the time; 2 s keeps the bound on through P0 traffic of a few a second
+        and lifts it where P0 is rare (a P0 arriving into an unbounded step starts mid-step,
+        NOTE(mid-step-express)).  A request still waiting, or in its prefill, keeps its target in
+        force however long ago it came.  The A/Bs (unsettled at 1 P0/s): docs/benchmarks.md.
         """
         horizon = self.clock() - TARGET_MEMORY_S
         recent = self._recent_targets
         while recent and recent[0][0] < horizon:
             recent.popleft()
-        best = recent[0][1] if recent else None
-        pending = [r for c in Priority if (r := self.waiting.head(c)) is not None]
-        pending += [r for r in self.running if not r.is_prefill_done]
-        for r in pending:
-            if r.ttft_target > 0.0 and (best is None or r.ttft_target < best):
-                best = r.ttft_target
-        return best
+        targets = [recent[0][1]] if recent else []
+        targets += [r.ttft_target for c in Priority if (r := self.waiting.head(c)) is not None]
+        targets += [r.ttft_target for r in self.running if not r.is_prefill_done]
+        return min((t for t in targets if t > 0.0), default=None)
 
     def p0_prefills(self) -> Iterator[tuple[Request, int]]:
         """P0's prefill work in the order a step takes it (chunked prefills running, then the waiting
