@@ -266,9 +266,10 @@ async def capacity(server: Server, concurrency: int, seconds: float, max_tokens:
 
     NOTE(capacity-first): so it runs before ``lone_ttft``: the lone P0 requests' target kept
     bounding sluice's batches for 10 s after them (the scheduler's ``TARGET_MEMORY_S`` then; 2 s
-    since NOTE(target-memory)), over the loop's first half.  Measured on a 2-core Zen 4 EPYC, one server, 20-s loops: 39.3 req/s (106
-    steps) with no P0 before, 34.3 req/s (327 steps) right after the lone requests; fresh
-    servers measured lone-first gave 20.3-25.8 req/s, where the 3x step then served 34-38 req/s.
+    since NOTE(target-memory)), over the loop's first half.  Measured on a 2-core Zen 4 EPYC, one
+    server, 20-s loops: 39.3 req/s (106 steps) with no P0 before, 34.3 req/s (327 steps) right
+    after the lone requests; fresh servers measured lone-first gave 20.3-25.8 req/s, where the 3x
+    step then served 34-38 req/s.
     """
     done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:

@@ -3,11 +3,12 @@
     python benchmarks/sparse_p0.py                      # ~5 minutes on 2 cores
     python benchmarks/sparse_p0.py --phase-s 10 --rounds 1 --no-write   # smoke
 
-One ``sluice serve`` (default settings).  A closed loop of ``--users`` P2
-clients (16-token streamed completions, a 429 backs off 50 ms) runs in
-phases of ``--phase-s`` seconds: P2 alone, then beside Poisson P0 arrivals at
-each rate of ``--p0-rates``, the phases alternating over ``--rounds``.  Per
-phase: P2 served per second (after a 3-s ramp), and the P0 requests within
+One ``sluice serve`` (default settings).  ``overload.py``'s capacity loop
+(``--users`` closed-loop P2 clients, 16-token streamed completions, a 429
+backs off 50 ms) runs in phases of ``--phase-s`` seconds: P2 alone, then
+beside Poisson P0 arrivals at each rate of ``--p0-rates``, the phases
+alternating over ``--rounds``.  Per phase: P2 served per second (the first
+quarter, the ramp, not counted), and the P0 requests within
 their target (4x the lone TTFT, as in ``overload.py``), their TTFT p50 and max.
 
 The engine bounds its steps while a tight TTFT target is about (NOTE(step-cap),
@@ -38,45 +39,32 @@ from _report import machine_line, markdown_table, print_json_last, write_section
 
 from sluice.engine.scheduler import TARGET_MEMORY_S  # noqa: E402
 
-RAMP_S = 3.0  # the first seconds of a phase (the batch filling) do not count
 MAX_TOKENS = 16
 
 
 async def phase(server: ov.Server, users: int, seconds: float, p0_rate: float, target: float,
                 seed: int) -> dict[str, Any]:  # fmt: skip
-    """One phase: ``users`` closed-loop P2 clients, and Poisson P0 arrivals at ``p0_rate`` (0: none)."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        t0 = time.perf_counter()
-        warm, end = t0 + RAMP_S, t0 + seconds
-        served = 0
-        p0: list[ov.Record] = []
+    """One phase: ``overload.capacity``'s closed loop of ``users`` P2 clients, and Poisson P0 arrivals
+    at ``p0_rate`` (0: none) beside it."""
+    p0: list[ov.Record] = []
 
-        async def user(k: int) -> None:
-            nonlocal served
-            i = 0
-            while time.perf_counter() < end:
-                r = await ov.send(s, server, 100_000 * k + i, 2, MAX_TOKENS, t0, 60)
-                if r.status == 429:
-                    await asyncio.sleep(0.05)
-                served += r.is_served and warm <= time.perf_counter() <= end
-                i += 1
-
-        async def p0_arrivals() -> None:
-            rng = random.Random(seed)
+    async def p0_arrivals() -> None:
+        rng = random.Random(seed)
+        end = time.perf_counter() + seconds
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            t0 = time.perf_counter()
             sent = []
-            i = 0
             while p0_rate > 0:
                 await asyncio.sleep(rng.expovariate(p0_rate))
                 if time.perf_counter() >= end:
                     break
-                sent.append(asyncio.create_task(ov.send(s, server, 900_000 + i, 0, MAX_TOKENS, t0, 60)))
-                i += 1
+                sent.append(asyncio.create_task(ov.send(s, server, 900_000 + len(sent), 0, MAX_TOKENS, t0, 60)))
             p0.extend([await t for t in sent])
 
-        await asyncio.gather(p0_arrivals(), *(user(k) for k in range(users)))
+    p2_rps, _ = await asyncio.gather(ov.capacity(server, users, seconds, MAX_TOKENS, seed), p0_arrivals())
     ttfts = sorted(r.ttft for r in p0 if r.is_served and r.ttft is not None)
     return {
-        "p0_rate": p0_rate, "p2_rps": served / (seconds - RAMP_S), "p0_sent": len(p0),
+        "p0_rate": p0_rate, "p2_rps": p2_rps, "p0_sent": len(p0),
         "p0_within": sum(1 for t in ttfts if t <= target), "p0_refused": sum(1 for r in p0 if r.status == 429),
         "p0_ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None, "p0_ttft_max_s": ttfts[-1] if ttfts else None,
     }  # fmt: skip
