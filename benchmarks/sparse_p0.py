@@ -14,7 +14,7 @@ their target (4x the lone TTFT, as in ``overload.py``), their TTFT p50 and max.
 The engine bounds its steps while a tight TTFT target is about (NOTE(step-cap),
 NOTE(row-cap) in ``sluice.engine.core``), and remembers a target for
 ``TARGET_MEMORY_S`` after its request came (NOTE(target-memory) in
-``sluice.engine.scheduler``): with P0 rare, a P0 arriving into an unbounded
+``sluice.engine.sched_signals``): with P0 rare, a P0 arriving into an unbounded
 step starts mid-step (NOTE(mid-step-express)), and the P2 batch keeps its size.
 A pause of ``TARGET_MEMORY_S`` + 2 s before every phase lets the last phase's
 targets pass.  Writes section ``sparse_p0`` of docs/benchmarks.md and prints one
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overload as ov  # noqa: E402
 from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
 
-from sluice.engine.scheduler import TARGET_MEMORY_S  # noqa: E402
+from sluice.engine.sched_signals import TARGET_MEMORY_S  # noqa: E402
 
 MAX_TOKENS = 16
 

@@ -193,8 +193,9 @@ class EngineCore:
         self._pending_aborts.clear()
         self.lora.poll()  # NOTE(lora-loads) in lora_manager: install finished loads, start queued ones
         outputs += self._fail_lora_waiters()
-        self.scheduler.row_cap = self._row_cap()
-        budget = self._token_budget()
+        target = self.scheduler.tightest_ttft_target()  # NOTE(target-memory): one look a step
+        self.scheduler.row_cap = self._row_cap(target)
+        budget = self._token_budget(target)
         express = self._express(budget)
         sched = self.scheduler.schedule(self._express_budget(budget) if express else budget, express)
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
@@ -287,8 +288,9 @@ class EngineCore:
         self._publish(outputs)
         return True
 
-    def _token_budget(self) -> int | None:
-        """The step's token budget: ``max_num_batched_tokens``, or less while tight TTFT targets are about.
+    def _token_budget(self, target: float | None) -> int | None:
+        """The step's token budget: ``max_num_batched_tokens``, or less while tight TTFT targets are about
+        (``target``: ``Scheduler.tightest_ttft_target()``).
 
         NOTE(step-cap): a request arriving mid-step waits for that step to end,
         then for its own prefill step (an express step for P0, NOTE(express-step)
@@ -301,7 +303,6 @@ class EngineCore:
         requests wait for slots instead.  Throughput pays a little (the
         per-step fixed cost comes more often).
         """
-        target = self.scheduler.tightest_ttft_target()
         model = self.step_model
         if target is None or model.per_token <= 0.0:
             return None
@@ -310,8 +311,9 @@ class EngineCore:
         prefill = max(MIN_STEP_TOKENS, int((STEP_SHARE * target - fixed) / model.per_token))
         return min(self.config.max_num_batched_tokens, decodes + prefill)
 
-    def _row_cap(self) -> int | None:
-        """Rows a step may carry for the classes below P0 while tight TTFT targets are about (None: no cap).
+    def _row_cap(self, target: float | None) -> int | None:
+        """Rows a step may carry for the classes below P0 while tight TTFT targets are about (None: no cap;
+        ``target``: ``Scheduler.tightest_ttft_target()``).
 
         NOTE(row-cap): the step cap bounds a step's prefill tokens, but the
         running decodes are the rest of the step, one row each, and on a CPU a
@@ -335,7 +337,6 @@ class EngineCore:
         machine), P1 served within target went from 3.2 to 5.7 req/s at 3x, goodput
         from 22.7 to 27.9 req/s (at 1x from 26.1 to 35.0), and P0 kept 99.1%.
         """
-        target = self.scheduler.tightest_ttft_target()
         model = self.step_model
         if target is None or model.per_token <= 0.0:
             return None

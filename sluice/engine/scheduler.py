@@ -63,16 +63,13 @@ from sluice.engine.kv_tiers.connector import KVTierConnector, LoadState
 from sluice.engine.protocol import EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.request_queue import make_request_queue
+from sluice.engine.sched_signals import TARGET_MEMORY_S, CycleClock, RunningPeaks, TargetMemory
 from sluice.types import Priority
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION"]
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION", "TARGET_MEMORY_S"]
 
 BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request's class goes first
 BEHIND_STEPS = 2.0  # ... or once what is left of its target is less than this many step cycles (NOTE(behind))
-CYCLE_DECAY = 0.8  # per schedule(): memory of the step cycle time (NOTE(behind))
-IDLE_GAP_S = 0.5  # a gap between schedule() calls longer than this is idle time, not a step cycle
-TARGET_MEMORY_S = 2.0  # how long a TTFT target seen keeps bounding the step time (EngineCore, NOTE(target-memory))
-PEAK_DECAY_S = 5.0  # time constant of the decaying peak of running requests by class (NOTE(trunk-reservation))
 
 
 @dataclass
@@ -145,24 +142,27 @@ class Scheduler:
         self.kv_tiers = kv_tiers
         self.loading: list[Request] = []  # admitted, waiting for their KV blocks from a tier
         self.num_preemptions = 0
-        # (added at, ttft_target), targets increasing front to back: a sliding-window minimum
-        self._recent_targets: deque[tuple[float, float]] = deque()
-        self.peak_running = [0.0 for _ in Priority]  # recent peak of running requests by class (decaying)
-        self._peak_at = self.clock()
+        self._targets = TargetMemory()  # NOTE(target-memory)
+        self._peaks = RunningPeaks(self.clock())  # NOTE(trunk-reservation)
+        self._cycle = CycleClock()  # NOTE(behind)
         # rows a step may carry for the classes below P0 while tight targets are about (set by the
         # engine each step from its step time, NOTE(row-cap) in EngineCore); None: max_num_seqs
         self.row_cap: int | None = None
-        self.cycle_time = 0.0  # seconds from one schedule() to the next while busy (decaying mean)
-        self._last_schedule_at: float | None = None
+
+    @property
+    def cycle_time(self) -> float:
+        """Seconds from one ``schedule()`` to the next while busy (decaying mean)."""
+        return self._cycle.cycle_time
+
+    @property
+    def peak_running(self) -> list[float]:
+        """Recent peak of running requests by class (decaying)."""
+        return self._peaks.peaks
 
     # ------------------------------------------------------------ lifecycle
 
     def add_request(self, req: Request) -> None:
-        if req.ttft_target > 0.0:
-            recent = self._recent_targets
-            while recent and recent[-1][1] >= req.ttft_target:  # never the minimum again
-                recent.pop()
-            recent.append((self.clock(), req.ttft_target))
+        self._targets.add(req.ttft_target, self.clock())
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -278,20 +278,6 @@ class Scheduler:
         waited = now - req.timings.arrival
         return waited > BEHIND_FRACTION * req.ttft_target or req.ttft_target - waited < BEHIND_STEPS * self.cycle_time
 
-    def _observe_cycle(self, now: float) -> None:
-        prev, self._last_schedule_at = self._last_schedule_at, now
-        if prev is not None and 0.0 < now - prev < IDLE_GAP_S:
-            gap = now - prev
-            self.cycle_time = gap if self.cycle_time <= 0.0 else CYCLE_DECAY * self.cycle_time + (1 - CYCLE_DECAY) * gap
-
-    def _update_peaks(self, now: float) -> None:
-        decay = math.exp(-max(0.0, now - self._peak_at) / PEAK_DECAY_S)
-        self._peak_at = now
-        counts = [0 for _ in Priority]
-        for r in (*self.running, *self.loading):  # a loading request holds its slot
-            counts[r.priority] += 1
-        self.peak_running = [max(float(n), p * decay) for n, p in zip(counts, self.peak_running, strict=True)]
-
     def seq_limit_for(self, priority: int) -> int:
         """Running requests class ``priority`` may be admitted up to: the slots not reserved for higher classes.
 
@@ -317,24 +303,11 @@ class Scheduler:
 
     def tightest_ttft_target(self) -> float | None:
         """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds and of
-        those waiting or in their prefill (each class's oldest waiting one, the running prefills).
-
-        NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(step-cap),
-        NOTE(row-cap)) before the next request with it arrives, so a target is remembered for a
-        while after its request came.  With 10 s, one P0 every few seconds kept the lower classes'
-        batches bounded all the time; 2 s keeps the bound on through P0 traffic of a few a second
-        and lifts it where P0 is rare (a P0 arriving into an unbounded step starts mid-step,
-        NOTE(mid-step-express)).  A request still waiting, or in its prefill, keeps its target in
-        force however long ago it came.  The A/Bs (unsettled at 1 P0/s): docs/benchmarks.md.
-        """
-        horizon = self.clock() - TARGET_MEMORY_S
-        recent = self._recent_targets
-        while recent and recent[0][0] < horizon:
-            recent.popleft()
-        targets = [recent[0][1]] if recent else []
-        targets += [r.ttft_target for c in Priority if (r := self.waiting.head(c)) is not None]
-        targets += [r.ttft_target for r in self.running if not r.is_prefill_done]
-        return min((t for t in targets if t > 0.0), default=None)
+        those waiting or in their prefill (each class's oldest waiting one, the running prefills):
+        NOTE(target-memory) in ``sched_signals.py``."""
+        waiting = [r.ttft_target for c in Priority if (r := self.waiting.head(c)) is not None]
+        prefilling = [r.ttft_target for r in self.running if not r.is_prefill_done]
+        return self._targets.tightest(self.clock(), (*waiting, *prefilling))
 
     def p0_prefills(self) -> Iterator[tuple[Request, int]]:
         """P0's prefill work in the order a step takes it (chunked prefills running, then the waiting
@@ -384,12 +357,12 @@ class Scheduler:
         # with many short requests (P0 under load) would wait for slots instead.
         step = _Step(SchedulerOutput(express=express), budget, {}, self.clock(), express, nested)
         if not nested:
-            self._observe_cycle(step.now)
+            self._cycle.observe(step.now)
         step.adapters.update(r.lora_id for r in self.running if r.lora_id)
         if not nested:
             self._admit_loaded()
         self.running.sort(key=self._order_key)
-        self._update_peaks(step.now)
+        self._peaks.update(step.now, (*self.running, *self.loading))  # a loading request holds its slot
         # 1: running decodes, most urgent first, one token each
         for req in [r for r in self.running if r.is_prefill_done and not express]:
             if step.budget <= 0:
