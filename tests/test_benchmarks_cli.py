@@ -373,6 +373,49 @@ def test_overload_repeat_timeline_counts_misses_and_late_admissions_per_second()
     assert second1[:7] == ["1", "0", "0", "1", "1", "0", "0"], second1
 
 
+def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(host-drift): each run is preceded by a lone-TTFT probe on the idle server, tabulated beside
+    it; the SLA targets stay those of the start."""
+    import argparse
+    import asyncio
+    import contextlib
+    import os
+
+    from benchmarks import overload, overload_repeat
+
+    calls: list[str] = []
+    probes = iter([0.011, 0.019, 0.023])
+
+    @contextlib.contextmanager
+    def start_server(*_: Any) -> Any:
+        yield overload.Server("sluice", "http://127.0.0.1:1", "m", False, [argparse.Namespace(pid=os.getpid())])
+
+    async def lone_ttft(*_: Any) -> float:
+        calls.append("lone")
+        return next(probes)
+
+    async def load_step(*_: Any) -> tuple[list[Any], list[float]]:
+        calls.append("run")
+        return [overload.Record("p0", 0.1, 200, ttft=0.03), overload.Record("p0", 0.2, 200, ttft=0.09)], [0.01]
+
+    async def sleep(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(overload_repeat.ov, "start_server", start_server)
+    monkeypatch.setattr(overload_repeat.ov, "lone_ttft", lone_ttft)
+    monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
+    monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
+    args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.0, mult=3.0, seeds=[0, 1], step_s=1.0,
+                              max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0)  # fmt: skip
+    out = asyncio.run(overload_repeat.run(args))
+    assert calls == ["lone", "lone", "run", "lone", "run"], "the start's lone TTFT, then a probe before each run"
+    assert out["targets_s"]["p0"] == pytest.approx(0.044), "the targets derive from the start's lone TTFT only"
+    assert [r["lone_ttft_before_s"] for r in out["runs"]] == [0.019, 0.023]
+    rows = overload_repeat.table(out).splitlines()
+    assert "lone TTFT before (ms)" in rows[0]
+    assert rows[2].startswith("| 1 | 0 | 19.0 | 50.0% |") and rows[3].startswith("| 2 | 1 | 23.0 | 50.0% |"), rows
+
+
 def test_overload_repeat_children_include_the_process_itself() -> None:
     import os
 
