@@ -211,6 +211,16 @@ def _engine(model: Path, **kw: object) -> EngineCore:
     return EngineCore(**args)  # type: ignore[arg-type]
 
 
+def _budget(engine: EngineCore) -> int | None:
+    """The token budget ``EngineCore.step`` would plan with now (its one look at the tightest target)."""
+    return engine._token_budget(engine.scheduler.tightest_ttft_target())
+
+
+def _row_cap(engine: EngineCore) -> int | None:
+    """The row cap ``EngineCore.step`` would set now."""
+    return engine._row_cap(engine.scheduler.tightest_ttft_target())
+
+
 def test_p2_preempted_by_p0_finishes_with_output_identical_to_an_unconstrained_run(tiny_llama: Path) -> None:
     prompts = {f"p2-{i}": [300 + 7 * i + j for j in range(20 + 3 * i)] for i in range(2)}
     prompts["p0"] = [50 + j for j in range(12)]
@@ -269,10 +279,10 @@ def test_engine_bounds_its_steps_while_tight_targets_are_about(tiny_llama: Path)
     engine = _engine(tiny_llama, max_num_batched_tokens=512)
     for n in (16, 256) * 4:
         engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token
-    assert engine._token_budget(engine.scheduler.tightest_ttft_target()) is None, "no target seen: the full budget"
+    assert _budget(engine) is None, "no target seen: the full budget"
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 400)), sampling=GREEDY,
                                      priority=0, ttft_target=0.33))  # fmt: skip
-    assert engine._token_budget(engine.scheduler.tightest_ttft_target()) == 100, "a step may take a third of 0.33 s: (0.11 - 0.01) / 0.001 tokens"
+    assert _budget(engine) == 100, "a step may take a third of 0.33 s: (0.11 - 0.01) / 0.001 tokens"
     engine.step()
     assert engine.make_stats().max_num_batched_tokens == 100, "the stats report the bounded budget"
 
@@ -327,14 +337,14 @@ def test_engine_takes_an_express_step_for_a_p0_among_many_decodes(tiny_llama: Pa
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
     # alone: 2 + 1 + 1 ms; next to the 12 decodes: 2 + 2.2 + 13 ms
-    assert engine._express(engine._token_budget(engine.scheduler.tightest_ttft_target()))
+    assert engine._express(_budget(engine))
     outs = engine.step()
     assert engine.num_express_steps == 1 and [o.request_id for o in outs] == ["p0"], "the P0's first token, alone"
-    assert not engine._express(engine._token_budget(engine.scheduler.tightest_ttft_target())), "nothing urgent left"
+    assert not engine._express(_budget(engine)), "nothing urgent left"
     engine.add_request(EngineRequest(request_id="p0-b", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
     engine._express_time = [0.75, 1.0]
-    assert not engine._express(engine._token_budget(engine.scheduler.tightest_ttft_target())), "express steps took over 70% of the recent time: a normal step"
+    assert not engine._express(_budget(engine)), "express steps took over 70% of the recent time: a normal step"
 
 
 def test_lower_classes_leave_p0s_recent_peak_of_slots_free() -> None:
@@ -379,7 +389,7 @@ def test_an_express_step_that_cannot_start_its_p0_falls_back_to_a_normal_step(ti
         engine.step_model.observe(n, 0.002 + 0.0001 * n + 0.005 * q, q)  # c = 5 ms / seq
     engine.add_request(EngineRequest(request_id="p0-late", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
-    assert engine._express(engine._token_budget(engine.scheduler.tightest_ttft_target())), "a P0 is waiting and decodes are running"
+    assert engine._express(_budget(engine)), "a P0 is waiting and decodes are running"
     outs = engine.step()  # both slots held by P0s: the express step is empty, so the decodes run
     assert sorted(o.request_id for o in outs) == ["p0-0", "p0-1"] and engine.num_express_steps == 0
 
@@ -426,16 +436,16 @@ def test_engine_caps_the_rows_of_a_step_while_tight_targets_are_about(tiny_llama
     engine = _engine(tiny_llama, max_num_batched_tokens=512)
     for n in (16, 256) * 4:
         engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token (a row costs b)
-    assert engine._row_cap(engine.scheduler.tightest_ttft_target()) is None, "no target seen: no cap"
+    assert _row_cap(engine) is None, "no target seen: no cap"
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 20)), sampling=GREEDY,
                                      priority=0, ttft_target=0.33))  # fmt: skip
     # a third of 0.33 s = 110 ms, less a step with 16 prefill tokens (26 ms): 84 rows of 1 ms
-    assert engine._row_cap(engine.scheduler.tightest_ttft_target()) == 84
+    assert _row_cap(engine) == 84
     engine.step()
     assert engine.scheduler.row_cap == 84 and engine.make_stats().seq_limit_by_priority[2] <= 84
     engine.add_request(EngineRequest(request_id="p0-tight", prompt_token_ids=list(range(5, 20)), sampling=GREEDY,
                                      priority=0, ttft_target=0.03))  # fmt: skip
-    assert engine._row_cap(engine.scheduler.tightest_ttft_target()) == 8, "a target too tight for any row: MIN_STEP_ROWS still run"
+    assert _row_cap(engine) == 8, "a target too tight for any row: MIN_STEP_ROWS still run"
 
 
 def test_with_mid_step_express_steps_the_rows_may_take_two_thirds_of_the_target(tiny_llama: Path) -> None:
@@ -444,12 +454,12 @@ def test_with_mid_step_express_steps_the_rows_may_take_two_thirds_of_the_target(
         engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token (a row costs b)
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 20)), sampling=GREEDY,
                                      priority=0, ttft_target=0.33))  # fmt: skip
-    assert engine._row_cap(engine.scheduler.tightest_ttft_target()) == 84, "at step boundaries only: a third of the target"
+    assert _row_cap(engine) == 84, "at step boundaries only: a third of the target"
     engine.set_arrivals(lambda: None, lambda outs: None)  # as the engine core process does: express steps mid-step
     # NOTE(row-cap): two thirds of 0.33 s = 220 ms, less the 26-ms step: 194 rows (a P0 does not wait out the step)
-    assert engine._row_cap(engine.scheduler.tightest_ttft_target()) in (193, 194)
+    assert _row_cap(engine) in (193, 194)
     engine.config.express_mid_step = False  # --no-express-mid-step
-    assert engine._row_cap(engine.scheduler.tightest_ttft_target()) == 84
+    assert _row_cap(engine) == 84
 
 
 def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_llama: Path) -> None:
@@ -476,7 +486,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     for i in range(4):
         p0(f"p0-{i}", now)
     known_model()
-    budget = engine._token_budget(engine.scheduler.tightest_ttft_target())
+    budget = _budget(engine)
     assert budget is not None and 2 * budget > 40, "twice the bounded budget would start a third P0's prefill"
     assert engine._express_budget(budget) == 40, "two P0s end at 50 ms, within 60; a third would end at 70"
     outs = engine.step()
@@ -486,7 +496,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     # 20 ms later: the third alone ends at 50 ms, within its 60; with the fourth at 70 ms
     now += 0.02
     known_model()
-    assert engine._express_budget(engine._token_budget(engine.scheduler.tightest_ttft_target())) == 20
+    assert engine._express_budget(_budget(engine)) == 20
     outs = engine.step()
     assert {o.request_id for o in outs if o.new_token_ids} == {"p0-2"}
 
@@ -496,7 +506,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     p0("late", now - 0.1)
     for rid in ("a", "b", "c"):
         p0(rid, now)
-    assert engine._express_budget(engine._token_budget(engine.scheduler.tightest_ttft_target())) == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
+    assert engine._express_budget(_budget(engine)) == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
     # a prompt whose first block is cached counts only what is left to compute
     engine.add_request(EngineRequest(request_id="again", prompt_token_ids=engine.scheduler.requests["p0-0"].prompt_token_ids,
                                      sampling=GREEDY, priority=0, ttft_target=0.06, arrival_time=now))  # fmt: skip
@@ -504,7 +514,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     # with a target they all meet, the step takes them all (the budget is the cap)
     for r, _ in engine.scheduler.p0_prefills():
         r.ttft_target = 1.0
-    budget = engine._token_budget(engine.scheduler.tightest_ttft_target())
+    budget = _budget(engine)
     assert engine._express_budget(budget) == min(512, 2 * budget)
 
 
@@ -520,7 +530,7 @@ def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama:
     for i in range(4):
         engine.add_request(EngineRequest(request_id=f"p0-{i}", prompt_token_ids=list(range(5 + i, 35 + i)),
                                          sampling=GREEDY, priority=0, ttft_target=0.3))  # fmt: skip
-    budget = engine._token_budget(engine.scheduler.tightest_ttft_target())
+    budget = _budget(engine)
     assert budget is not None and budget < 12 + 4 * 30, "the bounded budget cannot hold 12 decodes and 120 P0 tokens"
     # alone 130 ms against 142 ms next to the decodes: under EXPRESS_GAIN, but a normal step would chunk the P0s
     assert engine._express(budget)
