@@ -57,6 +57,7 @@ class EngineCore:
         config: EngineConfig | None = None,
         *,
         extra_eos_token_ids: Sequence[int] = (),  # e.g. the tokenizer's, when it knows more than the model
+        clock: Callable[[], float] = time.monotonic,  # steps are timed and requests aged by it (tests: a virtual one)
         **overrides: Any,  # EngineConfig fields
     ):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -90,6 +91,7 @@ class EngineCore:
             max_loras=config.max_loras,
             adapter_ready=self.lora.is_ready,
             kv_tiers=self.kv_tiers,
+            clock=clock,
         )
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own, when seeded
         self._pending_aborts: list[str] = []
@@ -188,7 +190,7 @@ class EngineCore:
         self._arrivals, self._publish = take_arrivals, publish
 
     def step(self) -> list[EngineOutput]:
-        t0 = time.monotonic()
+        t0 = self.scheduler.clock()
         outputs = self.scheduler.finish_requests(self._pending_aborts, RequestStatus.FINISHED_ABORTED)
         self._pending_aborts.clear()
         self.lora.poll()  # NOTE(lora-loads) in lora_manager: install finished loads, start queued ones
@@ -209,7 +211,7 @@ class EngineCore:
             self._last_batched = sched.num_batched_tokens
             self._num_batched_tokens_total += sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
-            t1 = time.monotonic()
+            t1 = self.scheduler.clock()
             if self._mid_step_time:  # the step's own time: the nested steps were observed on their own
                 t0 += self._mid_step_time
             self._last_step_time = t1 - t0
@@ -263,7 +265,7 @@ class EngineCore:
         alternative is the rest of the running step, then a normal one.
         Returns True when a step ran (the runner then sets its metadata again).
         """
-        now = time.monotonic()
+        now = self.scheduler.clock()
         if now - self._last_poll < MID_STEP_POLL_S:
             return False
         self._last_poll = now
@@ -275,9 +277,9 @@ class EngineCore:
         sched = self.scheduler.schedule(self._express_budget(budget), nested=True)
         if sched.is_empty:
             return False
-        t0 = time.monotonic()
+        t0 = self.scheduler.clock()
         outputs = self._run(sched)
-        t1 = time.monotonic()
+        t1 = self.scheduler.clock()
         self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
         self._num_batched_tokens_total += sched.num_batched_tokens
         self._mid_step_time += t1 - t0
