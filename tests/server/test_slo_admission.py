@@ -313,7 +313,8 @@ def test_overdue_lower_class_requests_are_shed_p0_never(monkeypatch: pytest.Monk
 
 async def test_an_admitted_request_pushed_back_by_higher_classes_gets_429_not_a_hang(server_factory) -> None:
     # one slot, 50-ms steps; a p2 admitted behind a p1 finishing in ~0.75 s (within its 1 s target) loses the
-    # slot to a second p1 (1.5 s): it is answered with 429 once it has waited 2 x 1 s, not after 2.3 s or more
+    # slot to a second p1 (2 s): it is answered with 429 once it has waited 2 x 1 s, not when that p1 ends (2.75 s);
+    # the 0.5 s between is slack for the shared cores' pauses
     srv = server_factory(step_delay=0.05, max_num_seqs=1, slo="p1=5s,p2=1s")
     async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
 
@@ -327,12 +328,12 @@ async def test_an_admitted_request_pushed_back_by_higher_classes_gets_429_not_a_
         t0 = time.monotonic()
         p2 = asyncio.create_task(go("p2", 2))
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(go("p1", 30))
+        second = asyncio.create_task(go("p1", 40))
         r = await p2
         elapsed = time.monotonic() - t0
         assert r.status_code == 429 and r.json()["error"]["code"] == "expired", r.text
         assert int(r.headers["retry-after"]) >= 1
-        assert 2.0 <= elapsed < 2.25, f"answered when it had waited 2 x its 1 s target, took {elapsed:.2f} s"
+        assert 2.0 <= elapsed < 2.5, f"answered when it had waited 2 x its 1 s target, took {elapsed:.2f} s"
         assert not second.done(), "the second p1 still holds the slot: the p2 was not served"
         assert (await first).status_code == 200 and (await second).status_code == 200
         text = (await c.get("/metrics")).text
