@@ -384,7 +384,7 @@ def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytes
     from benchmarks import overload, overload_repeat
 
     calls: list[str] = []
-    probes = iter([0.011, 0.019, 0.023])
+    probes = iter([0.011, 0.019, 0.023, 0.031])
 
     @contextlib.contextmanager
     def start_server(*_: Any) -> Any:
@@ -405,15 +405,21 @@ def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytes
     monkeypatch.setattr(overload_repeat.ov, "lone_ttft", lone_ttft)
     monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
     monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
-    args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.0, mult=3.0, seeds=[0, 1], step_s=1.0,
+    args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.012, mult=3.0, seeds=[0, 1], step_s=1.0,
                               max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0)  # fmt: skip
     out = asyncio.run(overload_repeat.run(args))
-    assert calls == ["lone", "lone", "run", "lone", "run"], "the start's lone TTFT, then a probe before each run"
-    assert out["targets_s"]["p0"] == pytest.approx(0.044), "the targets derive from the start's lone TTFT only"
-    assert [r["lone_ttft_before_s"] for r in out["runs"]] == [0.019, 0.023]
+    assert calls == ["lone", "run", "lone", "run"], "a given lone TTFT: a probe before each run"
+    assert out["targets_s"]["p0"] == pytest.approx(0.048), "the targets derive from the given lone TTFT only"
+    assert [r["lone_ttft_before_s"] for r in out["runs"]] == [0.011, 0.019]
     rows = overload_repeat.table(out).splitlines()
     assert "lone TTFT before (ms)" in rows[0]
-    assert rows[2].startswith("| 1 | 0 | 19.0 | 50.0% |") and rows[3].startswith("| 2 | 1 | 23.0 | 50.0% |"), rows
+    assert rows[2].startswith("| 1 | 0 | 11.0 | 50.0% |") and rows[3].startswith("| 2 | 1 | 19.0 | 50.0% |"), rows
+
+    calls.clear()
+    out = asyncio.run(overload_repeat.run(argparse.Namespace(**{**vars(args), "lone_ttft": 0.0})))
+    assert calls == ["lone", "run", "lone", "run"], "measured at the start: that measurement is the first run's probe"
+    assert out["targets_s"]["p0"] == pytest.approx(0.092), "the targets derive from the start's lone TTFT only"
+    assert [r["lone_ttft_before_s"] for r in out["runs"]] == [0.023, 0.031]
 
 
 def test_overload_repeat_children_include_the_process_itself() -> None:
