@@ -29,9 +29,22 @@ if os.environ.get("SLUICE_SKIP_EXT_BUILD") != "1":
                     extra_link_args=["-fopenmp"],
                 )
             )
-        cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=False)
 
-# NOTE(parallel-ext): the extensions compile side by side, one per core (each translation unit that
-# includes torch's headers takes ~35-45 s; one after the other they were ~220 of a fresh
-# `make test`'s ~280 s of set-up on 2 cores).  The largest (quant, five sources) goes first.
-setup(ext_modules=ext_modules, cmdclass=cmdclass, options={"build_ext": {"parallel": os.cpu_count() or 1}})
+        class ParallelBuildExtension(BuildExtension.with_options(use_ninja=False)):
+            """NOTE(parallel-ext): the extensions compile side by side, one per core.
+
+            Set here rather than through ``setup(options=...)``: pip's editable install
+            (``pip install -e``, the Makefile's) does not pass that option on.
+            """
+
+            def finalize_options(self) -> None:
+                super().finalize_options()
+                if not self.parallel:
+                    self.parallel = os.cpu_count() or 1
+
+        cmdclass["build_ext"] = ParallelBuildExtension
+
+# NOTE(parallel-ext): each translation unit that includes torch's headers takes ~35-45 s; one
+# after the other they were ~220 of a fresh `make test`'s ~280 s of set-up on 2 cores.  The
+# largest extension (quant, five sources) goes first.
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
