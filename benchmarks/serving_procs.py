@@ -139,7 +139,9 @@ def _drain(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     return lines
 
 
-def _wait_line(proc: subprocess.Popen[str], pattern: str, timeout: float) -> tuple[re.Match[str], list[str]]:
+def wait_line(proc: subprocess.Popen[str], pattern: str, timeout: float) -> tuple[re.Match[str], list[str]]:
+    """The first line of ``proc``'s output matching ``pattern`` and the lines so far; kills ``proc`` and raises
+    RuntimeError (with its last lines) when it exits or ``timeout`` passes first (the tests start servers with it too)."""
     lines = _drain(proc)
     deadline = time.monotonic() + timeout
     seen: list[str] = []
@@ -218,7 +220,7 @@ def start_sluice(args: argparse.Namespace, variant: str = "sluice", more_flags: 
         cmd += ["--num-threads", str(args.num_threads)]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    m, seen = _wait_line(proc, r"ready in .* at (http://\S+)", 900)
+    m, seen = wait_line(proc, r"ready in .* at (http://\S+)", 900)
     url = m.group(1)
     details = sluice_details(seen, extra)
     if args.num_threads:
@@ -232,7 +234,7 @@ def start_fake(args: argparse.Namespace) -> Server:
            "--max-model-len", "1024"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    m, _ = _wait_line(proc, r"ready in .* at (http://\S+)", 120)
+    m, _ = wait_line(proc, r"ready in .* at (http://\S+)", 120)
     return Server("fake", proc, m.group(1), "fake", time.monotonic() - t0)
 
 

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
 
+from benchmarks.serving_procs import wait_line
 from tests.server.conftest import running_in
 
 
@@ -25,21 +23,8 @@ def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
         [sys.executable, "-m", "sluice.server.testing", "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        m = re.search(r"ready in .* at (http://\S+)", line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise RuntimeError("fake server did not start")
+    m, _ = wait_line(proc, r"ready in .* at (http://\S+)", 60)
+    return proc, m.group(1)
 
 
 @pytest.fixture
