@@ -134,6 +134,8 @@ class EngineCore:
         validate_request(ereq.prompt_token_ids, ereq.sampling, self.model_info, ereq.priority)
         sp = ereq.sampling
         req = Request.from_engine_request(ereq)
+        if not ereq.arrival_time:  # arrived now, by the engine's clock
+            req.timings.arrival = self.scheduler.clock()
         if req.lora_name is not None:
             self.lora.acquire(req)  # ModelNotFoundError for an unknown adapter; starts its load if needed
         if sp.seed is not None:

@@ -109,7 +109,7 @@ def _measure(tiny_model_dir: str, seed: int) -> tuple[int, int, str]:
     for k in (1, 2, 3, 4, 4, 3, 2, 1):
         for i in range(k):
             engine.add_request(EngineRequest(request_id=f"w{k}-{i}-{rng.random()}", sampling=sp,
-                                             prompt_token_ids=[7 + i] * rng.randint(4, 60), arrival_time=clock()))  # fmt: skip
+                                             prompt_token_ids=[7 + i] * rng.randint(4, 60)))  # fmt: skip
         while engine.has_unfinished_requests():
             step()
     # NOTE(warm-mix): then two unmeasured waves shaped like the measured ones, so
@@ -118,7 +118,7 @@ def _measure(tiny_model_dir: str, seed: int) -> tuple[int, int, str]:
     for wave in range(2):
         for j in range(8):
             engine.add_request(EngineRequest(request_id=f"m{wave}-{j}", sampling=sp,
-                                             prompt_token_ids=[50 + j] * rng.randint(8, 40), arrival_time=clock()))  # fmt: skip
+                                             prompt_token_ids=[50 + j] * rng.randint(8, 40)))  # fmt: skip
         for _ in range(6):
             step()
     while engine.has_unfinished_requests():
@@ -167,3 +167,18 @@ def _measure(tiny_model_dir: str, seed: int) -> tuple[int, int, str]:
 def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir: str, seed: int) -> None:
     within, total, message = _measure(tiny_model_dir, seed)
     assert within >= 0.75 * total, message
+
+
+def test_the_engine_ages_requests_and_times_steps_by_its_clock(tiny_model_dir: str) -> None:
+    """NOTE(virtual-time): what the test above relies on: a request without an arrival time arrives at the
+    engine's clock, and a step's measured time is the clock's advance, not the host's."""
+    clock = VirtualClock()
+    engine = _timed_engine(tiny_model_dir, clock, random.Random(0))
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request(EngineRequest(request_id="a", sampling=sp, prompt_token_ids=[5] * 20))
+    assert engine.scheduler.requests["a"].timings.arrival == 1000.0
+    before = clock()
+    engine.step()
+    stats = engine.make_stats()
+    cost = STEP_BASE + STEP_PER_TOKEN * 20 + STEP_PER_SEQ
+    assert (1 - JITTER) * cost <= stats.step_time == clock() - before <= (1 + JITTER) * cost
