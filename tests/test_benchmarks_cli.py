@@ -537,3 +537,13 @@ def test_sparse_p0_runs_a_p2_alone_phase_before_each_p0_rate_and_tabulates_them(
     assert len(pauses) == 6 and min(pauses) > sparse_p0.TARGET_MEMORY_S, "each phase starts once the last one's target passed"
     text = sparse_p0.table(out)
     assert "| 1 | none | 30.0 | - | - | - |" in text and "| 2 | 2/s | 28.0 | 3/4 | 1 | 30 / 200 |" in text
+
+
+def test_prediction_error_table_shows_the_backlog_and_the_share_within() -> None:
+    from benchmarks import prediction_error
+
+    run = {"gap": 30, "seed": 2, "backlog": [0, 1, 5], "within": 20, "total": 32, "median_error": 0.5,
+           "measured_ttft_p50_s": 0.264, "step_time_s": 0.0348, "step_base_s": 0.00397, "step_per_token_s": 481e-6}  # fmt: skip
+    rows = prediction_error.table([run]).splitlines()
+    assert "not started at each wave" in rows[0]
+    assert rows[2] == "| 30 | 2 | 0 1 5 | 20/32 | 50% | 264 | 34.8 | 3.97 / 481 |", rows
