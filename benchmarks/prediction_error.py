@@ -126,7 +126,7 @@ def measure(engine: EngineCore, clock: Callable[[], float], seed: int, gap: int 
     # NOTE(backlog): the requests not started when each wave came.  A backlog that grows wave after wave is
     # an overload: the queue grows for as long as the waves come, and a lower class's prediction (stretched by
     # the higher classes' arrivals, NOTE(higher-arrivals)) states that steady state's wait, which the run's
-    # end (no more waves) cuts short; the bound is then missed by over-prediction, not by a wrong model
+    # end (no more waves) cuts short (docs/benchmarks.md: without a backlog P2 is at times over-predicted too)
     return {
         "seed": seed, "gap": gap, "backlog": backlog, "within": len(within), "total": len(errors),
         "median_error": statistics.median(abs(e) / measured[rid] for rid, e in errors.items()),
