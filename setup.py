@@ -20,7 +20,8 @@ if os.environ.get("SLUICE_SKIP_EXT_BUILD") != "1":
     except ImportError:  # no torch in the build environment: JIT at first use
         pass
     else:
-        for module, files, flags in sorted(spec["EXTENSIONS"].values(), key=lambda e: -len(e[1])):  # NOTE(parallel-ext)
+        # NOTE(parallel-ext): the largest extension (quant, five sources) first, so it starts at once
+        for module, files, flags in sorted(spec["EXTENSIONS"].values(), key=lambda e: -len(e[1])):
             ext_modules.append(
                 CppExtension(
                     module,
@@ -31,7 +32,9 @@ if os.environ.get("SLUICE_SKIP_EXT_BUILD") != "1":
             )
 
         class ParallelBuildExtension(BuildExtension.with_options(use_ninja=False)):
-            """NOTE(parallel-ext): the extensions compile side by side, one per core.
+            """NOTE(parallel-ext): the extensions compile side by side, one per core (each source that
+            includes torch's headers takes ~35-45 s; one after the other they were ~220 of a fresh
+            `make test`'s ~280 s of set-up on 2 cores).
 
             Set here rather than through ``setup(options=...)``: pip's editable install
             (``pip install -e``, the Makefile's) does not pass that option on.
@@ -44,7 +47,4 @@ if os.environ.get("SLUICE_SKIP_EXT_BUILD") != "1":
 
         cmdclass["build_ext"] = ParallelBuildExtension
 
-# NOTE(parallel-ext): each translation unit that includes torch's headers takes ~35-45 s; one
-# after the other they were ~220 of a fresh `make test`'s ~280 s of set-up on 2 cores.  The
-# largest extension (quant, five sources) goes first.
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -31,7 +31,7 @@ from benchmarks._report import smollm2_gguf  # noqa: E402
 
 __all__ = ["LLAMA_CTX_PER_SLOT", "LLAMA_SERVER_GLOBS", "SLUICE_VARIANTS", "VLLM_PYTHONS", "Server", "find_first",
            "free_port", "llama_command", "model_gguf", "served_model_id", "sluice_details", "start_fake",
-           "start_llama", "start_sluice", "start_vllm"]
+           "start_llama", "start_sluice", "start_vllm", "wait_line"]
 
 SLUICE_VARIANTS = {  # system id -> (label, extra `sluice serve` flags)
     "sluice": ("sluice", []),

@@ -133,9 +133,7 @@ class EngineCore:
             raise InvalidRequestError(f"duplicate request id {rid!r}", param="request_id")
         validate_request(ereq.prompt_token_ids, ereq.sampling, self.model_info, ereq.priority)
         sp = ereq.sampling
-        req = Request.from_engine_request(ereq)
-        if not ereq.arrival_time:  # arrived now, by the engine's clock
-            req.timings.arrival = self.scheduler.clock()
+        req = Request.from_engine_request(ereq, self.scheduler.clock)
         if req.lora_name is not None:
             self.lora.acquire(req)  # ModelNotFoundError for an unknown adapter; starts its load if needed
         if sp.seed is not None:

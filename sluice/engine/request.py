@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 
 from sluice.engine.protocol import EngineRequest, RequestTimings, SamplingParams
 from sluice.types import Priority
@@ -72,13 +73,14 @@ class Request:
         self.num_emitted = 0  # output tokens already published
 
     @classmethod
-    def from_engine_request(cls, req: EngineRequest) -> Request:
+    def from_engine_request(cls, req: EngineRequest, clock: Callable[[], float] = time.monotonic) -> Request:
+        """The engine's request; one without an arrival time arrives now, by ``clock`` (the engine's)."""
         return cls(
             req.request_id,
             req.prompt_token_ids,
             req.sampling,
             Priority(req.priority),
-            req.arrival_time or None,
+            req.arrival_time or clock(),
             req.trace_id,
             req.ttft_target,
             req.lora_name,
