@@ -50,6 +50,22 @@ traffic counts within a second, not after five (a step from all-P2 traffic to
 remembered for five.  With ``rho`` near 1 the higher classes take
 the whole engine and the request is refused at once.  P0 has nothing above it.
 
+NOTE(express-share): with express steps (the engine's NOTE(express-step)) a
+P0's prefill runs in a step of its own, outside the normal steps' token budget,
+and P0's recent peak of slots is kept free for it (NOTE(trunk-reservation) in
+the scheduler): P0 takes from a lower class's wait the engine time of those
+steps and of its decode rows in the normal steps, ``step_time(0, 1) + b x
+prompt`` and ``(b + c)`` a generated token after the first (the measured step
+model), times its arrival rate.  Its share of the work rate, counted before,
+overstates that where the steps are small: a step of a few rows is mostly its
+fixed cost, so the engine does few tokens a second, and a P0 that only adds
+rows to steps that run anyway reads as a large share.  With 4 slots, a
+64-token budget and SmolLM2 (4.5 ms + 0.47 ms a token) P1 requests were
+predicted ~1.7x their TTFT by a ``rho`` of 0.4 from P0 alone; by the express
+share it is 0.1-0.15 and the queue alone was within 10-40% of what they got
+(docs/benchmarks.md, "TTFT prediction error").  P1 and P2 above a class still
+count by their work share: they share the normal steps' budget and slots.
+
 NOTE(surge-onset): a 1-s average still takes a second to see a surge: a
 quarter second into a step from an idle engine to 5x load it showed a fifth of
 the arrivals, and P1/P2 requests admitted then on a ``rho`` of 0.2-0.5 all
@@ -308,10 +324,11 @@ class AdmissionController:
         self._num_finished += 1
         self.mean_output_tokens += _EWMA * (num_generated - self.mean_output_tokens)
 
-    def higher_load(self, priority: int) -> float:
+    def higher_load(self, priority: int, load: EngineLoad | None = None) -> float:
         """``rho`` of NOTE(higher-arrivals): the classes above ``priority``'s admitted rate over the
         engine's capacity, requests' worth of work done per second with work in the engine
-        (NOTE(work-rate); 0 while unmeasured), at most ``MAX_HIGHER_LOAD``."""
+        (NOTE(work-rate); 0 while unmeasured), at most ``MAX_HIGHER_LOAD``.  With express steps in
+        ``load``, P0's share is the engine time its own steps take instead (NOTE(express-share))."""
         now = self._clock()
         busy = self._busy.read(now)
         # a request's work: its prompt's prefill and a decode for each generated token after the first
@@ -331,10 +348,17 @@ class AdmissionController:
             observed_fast = 1.0 - math.exp(-onset_age / FAST_RATE_WINDOW_S)
         else:  # a busy period this young: its arrivals are a burst, not yet a rate
             observed_fast = 1.0
-        lam = sum(max(self._admitted[k].read(now), self._admitted_fast[k].read(now) * observed / observed_fast)
-                  for k in range(int(priority)))  # fmt: skip
+        lam = [max(self._admitted[k].read(now), self._admitted_fast[k].read(now) * observed / observed_fast)
+               for k in range(int(priority))]  # fmt: skip
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
-        return min(MAX_HIGHER_LOAD, lam / done * utilization)
+        express = 0.0
+        if lam and load is not None and load.express_budget > 0:  # NOTE(express-share)
+            # a P0's prefill in an express step of its own, then a decode row a token in the normal steps
+            p0 = load.step_time(0, 1) + load.step_time_per_token * self.mean_prompt_tokens
+            p0 += max(0.0, self.mean_output_tokens - 1.0) * (load.step_time_per_token + load.step_time_per_seq)
+            express = lam[0] / observed * p0
+            lam[0] = 0.0
+        return min(MAX_HIGHER_LOAD, express + sum(lam) / done * utilization)
 
     def drain_wait(self, priority: int, load: EngineLoad | None = None) -> float:
         """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0.
@@ -363,7 +387,7 @@ class AdmissionController:
         """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the
         higher classes' arrivals while it waits (NOTE(higher-arrivals)), and no less than its
         class's queue takes to drain (NOTE(class-drain))."""
-        model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority))
+        model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority, load))
         if priority == Priority.P0:
             model *= self.p0_margin  # NOTE(p0-margin)
         return max(model, self.drain_wait(priority, load))

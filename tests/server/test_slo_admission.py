@@ -237,6 +237,32 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     assert e.value.code == "slo_unattainable" and a.num_queued == 0, "refused at arrival, not shed later"
 
 
+def test_with_express_steps_p0_arrivals_stretch_by_the_engine_time_of_their_own_steps() -> None:
+    # NOTE(express-share): a P0's prefill runs in an express step of its own and its decodes as rows of the
+    # normal steps; that engine time is its share of a lower class's wait, not its share of the work rate
+    clock = FakeClock()
+    a = controller("p0=1s,p1=2s,p2=5s", clock)
+    for i in range(300):  # 30 s: a P0 and a P1 admitted every 0.1 s and started at once, 80 req/s of work done
+        for p in (Priority.P0, Priority.P1):
+            a.admit(f"{p.label}-{i}", p, 26, 10)
+            a.remove(f"{p.label}-{i}")
+            a.observe_output_tokens(16)
+        clock.now += 0.1
+        a.observe_stats(ran(8, num_running=3, express_budget=1024))
+    load = a.load()
+    assert load.express_budget == 1024 and a.mean_prompt_tokens == pytest.approx(10.0)
+    work_share = 10 / 80  # 10 req/s of each class, 80 req/s of capacity
+    assert a.higher_load(Priority.P1) == pytest.approx(work_share, rel=0.05), "without the engine's costs: the work share"
+    # a P0: an express step of its 10 tokens (10 ms + 10 x 1 ms), then 15 decode rows of 1 ms each: 35 ms, 10 a second
+    express_share = 10 * (0.01 + 0.010 + 0.015)
+    assert a.higher_load(Priority.P1, load) == pytest.approx(express_share, rel=0.05)
+    assert a.higher_load(Priority.P2, load) == pytest.approx(express_share + work_share, rel=0.05), "P1 by its work"
+    assert a.predict(load, Priority.P1, 100) == pytest.approx(predict_ttft(load, Priority.P1, 100) / (1 - express_share),
+                                                              rel=0.05)  # fmt: skip
+    no_express = dataclasses.replace(load, express_budget=0)
+    assert a.higher_load(Priority.P1, no_express) == pytest.approx(work_share, rel=0.05), "P0 in the normal steps"
+
+
 def test_higher_classes_on_a_lightly_loaded_engine_do_not_stretch_a_lower_class() -> None:
     # every finished request was a P0 one, but the engine had work 0.1 s of each second: rho is 0.1, not 1
     clock = FakeClock()
