@@ -35,6 +35,15 @@ and mid-step express steps waits ``MID_STEP_WAIT_S`` instead).  Lower classes ho
 neither slots, blocks nor decode tokens against it (it takes them).  Future arrivals are not
 foreseen here; the admission stretches the prediction by the higher classes'
 arrival rate (its NOTE(higher-arrivals)) and re-predicts at every arrival.
+
+NOTE(hol-prefill): the steps a request waits through for a slot carry the
+prefill of its own class's and the higher classes' backlogs, not the lower
+classes': while a class waits for a slot the scheduler admits nobody below it
+(its NOTE(hol)).  Counting every class's backlog there made a P1 behind one
+P1 slot-holder wait through steps swollen by the prefill of a P2 queue that
+could not run: with 4 slots, a 64-token budget and SmolLM2's step costs, P1s
+were predicted 1.6-2.5x the 0.1-0.37 s they got (docs/benchmarks.md, "TTFT
+prediction error").
 """
 
 from __future__ import annotations
@@ -279,13 +288,14 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
             wait_steps = short * max(1.0, load.mean_output_tokens) / decoding
         if wait_steps > 0.0:
             # the steps while it waits: every slot of its limit busy, P0's holders for as long as they hold, the
-            # backlog's prefill spread over them (arrivals after it are not foreseen)
+            # backlog's prefill of its class and the higher ones spread over them (arrivals after it are not
+            # foreseen; NOTE(hol-prefill): a lower class is not admitted while this one waits for a slot)
             p0 = 0.0
             if c > 0:
                 p0_holders = load.num_running_by_priority[0] + load.num_waiting_by_priority[0]
                 p0 = p0_holders * min(1.0, load.slot_hold_steps / wait_steps)
             rows = min(float(load.max_num_seqs), limit + p0)
-            prefill = min(per_step, sum(load.num_prefill_tokens_by_priority) / wait_steps)
+            prefill = min(per_step, sum(load.num_prefill_tokens_by_priority[: c + 1]) / wait_steps)
             step = load.step_time(min(float(load.max_num_batched_tokens), rows + prefill), rows)
             slot_bound = wait_steps * step + unloaded_ttft(load, num_prompt_tokens + decodes) + load.step_time_per_seq * decodes
     running = sum(load.num_running_by_priority)

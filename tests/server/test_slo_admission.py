@@ -63,6 +63,21 @@ def test_slot_wait_follows_the_holders_remaining_output() -> None:
     assert predict_ttft(load, Priority.P1, 100) > 12 * step
 
 
+def test_a_lower_class_backlog_does_not_run_in_the_steps_a_class_waits_through_for_a_slot() -> None:
+    # NOTE(hol-prefill): while a P1 waits for a slot no P2 is admitted (the scheduler's NOTE(hol)), so the P2
+    # backlog's prefill is not in the steps until a P1 slot frees; for a P2 it is (its own class's)
+    held = stats(num_running_by_priority=[0, 4, 0], num_running=4, num_decoding=4, max_num_seqs=4,
+                 running_slots=[[1, 8, 12]] * 4)  # fmt: skip
+    load = EngineLoad.from_stats(held, policy="wfq", mean_output_tokens=20, max_num_batched_tokens=512, max_num_seqs=4)
+    for _ in range(10):
+        load.add(Priority.P2, 100)
+    step = 0.01 + 0.001 * 4  # 4 decodes: no P2 prefill beside them
+    own = 0.01 + 0.001 * 104  # its prefill step next to the 4 decodes
+    current = 0.01 + 0.001 * 512  # the running step, as the stats can tell it: decodes and every pending prefill
+    assert predict_ttft(load, Priority.P1, 100) == pytest.approx(12 * step + own + 0.5 * current)
+    assert predict_ttft(load, Priority.P2, 100) > 12 * (step + 0.001 * 1000 / 12), "a P2 waits through its own backlog"
+
+
 def test_p0_holders_do_not_count_against_a_lower_class_limit() -> None:
     # 8 slots, P0's peak of 3 (+1) reserved: P1 may hold 4; 3 P0s and 3 P1s run, so a P1 finds a slot
     s = stats(num_running_by_priority=[3, 3, 0], num_running=6, num_decoding=6, max_num_seqs=8,

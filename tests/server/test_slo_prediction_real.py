@@ -23,7 +23,7 @@ is an overload in steps (the requests not started grow wave after wave, to 15-26
 run lasts ~0.5 s of the clock, too short for the admission's 1-s and 5-s rate estimates to
 stretch the lower classes' predictions by the higher classes' arrivals much.  On SmolLM2's
 step costs (4 ms + ~0.5 ms a token) the same protocol takes ~5 s, the stretch converges, and
-19-25 of 32 predictions are within the bound (P2 stretched by P1's arrivals 3-20x, served in
+15-28 of 32 predictions are within the bound (P2 stretched by P1's arrivals 3-20x, served in
 ~2 s when the waves stop): issue 11 is open on that.
 
 Stated bound: for at least 75% of the requests, |measured - predicted| <=
