@@ -60,9 +60,9 @@ model), times its arrival rate.  Its share of the work rate, counted before,
 overstates that where the steps are small: a step of a few rows is mostly its
 fixed cost, so the engine does few tokens a second, and a P0 that only adds
 rows to steps that run anyway reads as a large share.  With 4 slots, a
-64-token budget and SmolLM2 (4.5 ms + 0.47 ms a token) P1 requests were
-predicted ~1.7x their TTFT by a ``rho`` of 0.4 from P0 alone; by the express
-share it is 0.1-0.15 and the queue alone was within 10-40% of what they got
+64-token budget and SmolLM2 (4.5 ms + 0.47 ms a token) most P1 requests, which
+the queue alone predicted within 1-25%, were predicted 1.3-2x by a ``rho`` of
+0.26-0.50 from P0 alone; by the express share it is 0.08-0.20
 (docs/benchmarks.md, "TTFT prediction error").  P1 and P2 above a class still
 count by their work share: they share the normal steps' budget and slots.
 
