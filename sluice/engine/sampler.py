@@ -71,7 +71,8 @@ class Sampler:
                 tokens[i] = t
         rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if rand:
-            probs = self._probs(logits[rand], [rows[i].params for i in rand])
+            # on the CPU, where the generators are (seeded requests draw the same tokens on any device)
+            probs = self._probs(logits[rand].cpu(), [rows[i].params for i in rand])
             for j, i in enumerate(rand):
                 gen = rows[i].generator or self.generator
                 # exponential race: argmax p / E with E ~ Exp(1) draws from p
@@ -95,22 +96,22 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=logits.device)
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if p.frequency_penalty or p.presence_penalty:
                 out = r.token_ids[r.num_prompt_tokens :]
                 if out:
-                    ids = torch.tensor(out, dtype=torch.long)
-                    counts = torch.zeros(logits.shape[1], dtype=logits.dtype).index_add_(
-                        0, ids, torch.ones(len(out), dtype=logits.dtype)
+                    ids = torch.tensor(out, dtype=torch.long, device=logits.device)
+                    counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device).index_add_(
+                        0, ids, torch.ones(len(out), dtype=logits.dtype, device=logits.device)
                     )
                     logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
         logits = logits / temps
         top_ks = [p.top_k for p in params]
         if any(k > 0 for k in top_ks):
@@ -130,6 +131,6 @@ class Sampler:
                     probs[j] = torch.zeros_like(probs[j]).scatter_(0, si, sp)
         min_ps = [p.min_p for p in params]
         if any(m > 0 for m in min_ps):
-            mp = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
+            mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
             probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         return probs / probs.sum(dim=-1, keepdim=True)

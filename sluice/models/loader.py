@@ -187,6 +187,9 @@ def load_model(
         model.load_hf_state_dict(sd)
     except ValueError as e:
         raise ModelLoadError(f"model {source.path}: {e}") from e
+    # NOTE(cuda-weights): the Linears built from the state dict hold its tensors where they were read (the
+    # CPU); the model is built on ``device``, and so must they be (the cached path reads them onto it)
+    model.to(device)
     model = finish(model)
     if use_cache:
         root = model_cache_root(source)
