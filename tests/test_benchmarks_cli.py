@@ -547,3 +547,24 @@ def test_prediction_error_table_shows_the_backlog_and_the_share_within() -> None
     rows = prediction_error.table([run]).splitlines()
     assert "not started at each wave" in rows[0]
     assert rows[2] == "| 30 | 2 | 0 1 5 | 20/32 | 50% | 264 | 34.8 | 3.97 / 481 |", rows
+
+
+def test_cuda_check_runs_its_checks_on_the_cpu_and_refuses_cuda_in_one_line_without_a_device(tmp_path: Path) -> None:
+    import torch
+
+    script = str(ROOT / "benchmarks" / "cuda_check.py")
+    made = subprocess.run([sys.executable, script, "--make-models", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--models", str(tmp_path), "--seeds", "0"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for arch in ("llama", "qwen2"):
+        r = result["correctness"][arch]
+        assert r["tokens_equal"] == 8 and r["max_logit_diff"] < 1e-3 and r["sampled_seeded_equal"], r
+    assert result["prediction"][0]["total"] == 32
+    if not torch.cuda.is_available():
+        bad = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
+            "cuda_check: no CUDA device here (torch.cuda.is_available() is False); try --device cpu"), bad.stderr
