@@ -44,6 +44,7 @@ from sluice.engine.protocol import EngineRequest, SamplingParams
 
 STEP_BASE, STEP_PER_TOKEN, STEP_PER_SEQ = 1.0e-3, 15e-6, 40e-6  # NOTE(virtual-time): what the 2 cores measured
 JITTER = 0.2  # ... and each step off by up to this share either way
+SMOLLM2_COSTS = (4.5e-3, 470e-6, 40e-6)  # SmolLM2's step, as benchmarks/prediction_error.py fits it on the 2 cores
 
 
 class VirtualClock:
@@ -59,15 +60,17 @@ class VirtualClock:
         self.now += seconds
 
 
-def _timed_engine(tiny_model_dir: str, clock: VirtualClock, rng: random.Random) -> EngineCore:
-    """The engine on ``clock``: each executed step moves it by the step's cost (NOTE(virtual-time))."""
+def _timed_engine(tiny_model_dir: str, clock: VirtualClock, rng: random.Random,
+                  costs: tuple[float, float, float] = (STEP_BASE, STEP_PER_TOKEN, STEP_PER_SEQ)) -> EngineCore:  # fmt: skip
+    """The engine on ``clock``: each executed step moves it by the step's cost (NOTE(virtual-time)), ``a + b x
+    tokens + c x sequences`` with ``costs`` = (a, b, c)."""
     engine = EngineCore(model=tiny_model_dir, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=SLOTS,
                         max_num_batched_tokens=BUDGET, clock=clock)  # fmt: skip
     execute = engine.runner.execute
 
     def timed_execute(sched: Any, *args: Any) -> Any:
         out = execute(sched, *args)
-        cost = STEP_BASE + STEP_PER_TOKEN * sched.num_batched_tokens + STEP_PER_SEQ * len(sched.scheduled)
+        cost = costs[0] + costs[1] * sched.num_batched_tokens + costs[2] * len(sched.scheduled)
         clock.advance(cost * (1.0 + rng.uniform(-JITTER, JITTER)))
         return out
 
@@ -87,6 +90,22 @@ def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir:
     clock = VirtualClock()
     r = measure(_timed_engine(tiny_model_dir, clock, random.Random(seed + 1000)), clock, seed)
     print(f"seed {seed}: {r['within']}/{r['total']} within the bound, median error {r['median_error']:.0%}")
+    assert r["within"] >= 0.75 * r["total"], r["message"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_bound_holds_on_smollm2_step_costs_with_a_wave_every_60_steps(tiny_model_dir: str, seed: int) -> None:
+    """SmolLM2's step costs on the 2 cores (4.5 ms + 470 us a token), where the waves every 30 steps of the test
+    above pile up a backlog (an overload in steps: P2 over-predicted by P1's work share, docs/server.md) and a
+    wave every 60 steps leaves 3-10 requests not started by the last wave (seeds 0-4).  There, over seeds 0-9: 19-32 of 32 within, seeds 4
+    and 7 short by P2's class drain (NOTE(class-drain), docs/benchmarks.md); 18-30 before NOTE(express-share)
+    and NOTE(hol-prefill) in the admission (85e3f32).  Predictions 2x too long fail all three seeds (14-21 of
+    32); 0.4x too short pass (26-30): at these costs the bound's three steps of 64 tokens (~0.1 s) cover 0.6x of
+    any TTFT under ~1 s, so this case guards against over-prediction only."""
+    clock = VirtualClock()
+    engine = _timed_engine(tiny_model_dir, clock, random.Random(seed + 1000), costs=SMOLLM2_COSTS)
+    r = measure(engine, clock, seed, gap=60)
+    print(f"seed {seed}: {r['within']}/{r['total']} within the bound, backlog {r['backlog']}")
     assert r["within"] >= 0.75 * r["total"], r["message"]
 
 
