@@ -110,8 +110,8 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # logits on the CPU
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
         logits = logits / temps
         top_ks = [p.top_k for p in params]
         if any(k > 0 for k in top_ks):
@@ -131,6 +131,6 @@ class Sampler:
                     probs[j] = torch.zeros_like(probs[j]).scatter_(0, si, sp)
         min_ps = [p.min_p for p in params]
         if any(m > 0 for m in min_ps):
-            mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+            mp = torch.tensor(min_ps, dtype=probs.dtype).unsqueeze(1)
             probs = torch.where(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
         return probs / probs.sum(dim=-1, keepdim=True)

@@ -7,37 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.cuda_check import DECODE_STEPS, PROMPT_LENS, hf_reference, make_prompts
 from sluice.engine.core import EngineCore
 from sluice.engine.protocol import EngineRequest, SamplingParams
-
-PROMPT_LENS = [5, 16, 17, 31, 33, 48, 70, 100]  # crosses block boundaries; 70/100 exceed the budget
-DECODE_STEPS = 16
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _hf_reference(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-    """Greedy continuation by full recomputation with transformers: logits at each step and tokens."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    all_logits, all_tokens = [], []
-    with torch.no_grad():
-        for p in prompts:
-            ids = list(p)
-            steps, toks = [], []
-            for _ in range(DECODE_STEPS + 1):
-                logits = hf(torch.tensor([ids])).logits[0, -1].float()
-                steps.append(logits)
-                nxt = int(logits.argmax())
-                toks.append(nxt)
-                ids.append(nxt)
-            all_logits.append(steps)
-            all_tokens.append(toks)
-    return all_logits, all_tokens
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
@@ -53,7 +25,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_models: dict[str, Path
         kv_cache_memory=4 << 20,
     )
     engine.runner.capture_logits = True
-    prompts = _prompts(engine.model_info.vocab_size)
+    prompts = make_prompts(engine.model_info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling=params))
@@ -73,7 +45,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_models: dict[str, Path
             got_tokens[i].extend(o.new_token_ids)
     assert saw_chunked_step, "the token budget should have split some prefills over several steps"
 
-    ref_logits, ref_tokens = _hf_reference(model_dir, prompts)
+    ref_logits, ref_tokens = hf_reference(model_dir, prompts)
     for i in range(len(prompts)):
         assert len(got_logits[i]) == DECODE_STEPS + 1
         for step, (a, b) in enumerate(zip(got_logits[i], ref_logits[i])):
@@ -84,7 +56,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_models: dict[str, Path
 
 
 def test_bfloat16_logits_stay_close_to_float32(tiny_llama: Path) -> None:
-    prompts = _prompts(49152)[:3]
+    prompts = make_prompts(49152)[:3]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     logits = {}
     for dtype in ("float32", "bfloat16"):
