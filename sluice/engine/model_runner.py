@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import torch
 
-from sluice.engine.attention import AttentionMetadata, make_attention_backend
+from sluice.engine.attention import AttentionMetadata, CpuPagedAttention, make_attention_backend
 from sluice.engine.config import BLOCK_SIZE, EngineConfig
 from sluice.engine.kv_quant import KVCache, resolve_kv_format
 from sluice.engine.lora_manager import build_lora_batch
@@ -29,6 +29,7 @@ from sluice.engine.protocol import TokenLogprobs
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.errors import InvalidRequestError
+from sluice.kernels import ext
 from sluice.kernels.autotune import plan_kernels
 from sluice.models.loader import ModelSource, load_model
 
@@ -36,6 +37,7 @@ __all__ = ["ModelRunner", "resolve_dtype", "kv_bytes_per_block"]
 
 log = logging.getLogger("sluice.engine")
 
+_DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, before any engine set it (NOTE(work-pool))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,9 +63,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, config.device)
-        threads = config.num_threads or int(os.environ.get("SLUICE_NUM_THREADS", "0") or 0)
-        if threads:
-            torch.set_num_threads(threads)
+        threads = config.num_threads or int(os.environ.get("SLUICE_NUM_THREADS", "0") or 0) or _DEFAULT_THREADS
+        torch.set_num_threads(threads)
         t0 = time.monotonic()
         self.model = load_model(
             source,
@@ -92,11 +93,30 @@ class ModelRunner:
         self.attention = make_attention_backend(
             config.attention_backend, config.device, self.kv_cache, cfg.head_dim**-0.5
         )
+        self.work_pool_threads = self._use_work_pool(threads)
         self.sampler = Sampler(seed)
         self.lora_adapters: dict[int, Any] | None = None  # lora_id -> LoRAAdapter in memory (LoRAManager.resident)
         self.capture_logits = False  # tests: keep a copy of each step's raw logits
         self._depth = 0  # execute() calls in progress (2 while a step runs nested in another)
         self.last_logits: torch.Tensor | None = None
+
+    def _use_work_pool(self, threads: int) -> int:
+        """NOTE(work-pool) (``sluice/kernels/csrc/work_pool.h``): where every layer of the model runs on
+        sluice's kernels (quantized or packed float linears, the paged attention), their parallel loops go
+        on sluice's work pool, which never waits for a thread the OS has not run, and torch's own ops keep
+        one thread (its OpenMP workers would spin beside the pool's between ops).  Elsewhere (BLAS linears,
+        torch's attention, a GPU) torch's threads do the work, as before.  ``SLUICE_WORK_POOL=0`` keeps
+        torch's OpenMP for the kernels too.  Returns the pool's threads (0: off)."""
+        linears = self.model.linears().values()
+        own = bool(linears) and all(kind != "dense" for lin in linears for kind, _, _ in lin.parts)
+        if (self.device.type != "cpu" or threads < 2 or not own or not isinstance(self.attention, CpuPagedAttention)
+                or os.environ.get("SLUICE_WORK_POOL", "1") == "0"):  # fmt: skip
+            ext.set_work_pool(0)
+            return 0
+        ext.set_work_pool(threads)
+        torch.set_num_threads(1)
+        log.info("kernels' parallel loops on sluice's work pool, %d threads (torch's own ops: 1)", threads)
+        return threads
 
     def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []

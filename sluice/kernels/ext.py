@@ -3,6 +3,7 @@
     from sluice.kernels import ext
     mod = ext.load("attention")      # raises KernelUnavailableError with the reason
     ext.status()                     # {"attention": {"how": "prebuilt", ...}, ...} for `sluice doctor`
+    ext.set_work_pool(2)             # the kernels' parallel loops on sluice's work pool (NOTE(work-pool))
 
 NOTE(jit-cache): the fallback JIT build goes to
 ``<sluice cache>/kernels/<name>-<hash>`` where the hash covers the sources, the
@@ -24,7 +25,7 @@ from typing import Any
 
 from sluice.kernels.build_spec import EXTENSIONS
 
-__all__ = ["load", "status", "KernelUnavailableError", "csrc_dir"]
+__all__ = ["load", "status", "set_work_pool", "work_pool_threads", "KernelUnavailableError", "csrc_dir"]
 
 log = logging.getLogger("sluice.kernels")
 
@@ -40,6 +41,7 @@ class _Registry:
         self.lock = threading.Lock()
         self.modules: dict[str, ModuleType] = {}
         self.info: dict[str, dict[str, Any]] = {}
+        self.pool_threads = 0  # NOTE(work-pool): 0, torch's OpenMP; else every extension's loops on the pool
 
 
 _REG = _Registry()
@@ -93,6 +95,7 @@ def load(name: str) -> ModuleType:
         if os.environ.get("SLUICE_KERNELS_JIT") != "1":  # tests force the JIT path with it
             try:
                 mod = importlib.import_module(module)
+                mod.set_pool_threads(_REG.pool_threads)
                 _REG.modules[name] = mod
                 _REG.info[name] = {"how": "prebuilt", "path": getattr(mod, "__file__", None)}
                 return mod
@@ -109,9 +112,28 @@ def load(name: str) -> ModuleType:
                 f"kernel extension {name!r} is not built ({prebuilt_error}) and the JIT build failed: {e}"
             ) from e
         log.info("kernel extension %s: built on first use (not at install time: %s)", name, prebuilt_error)
+        mod.set_pool_threads(_REG.pool_threads)
         _REG.modules[name] = mod
         _REG.info[name] = {"how": "jit", "path": getattr(mod, "__file__", None), "why": prebuilt_error}
         return mod
+
+
+def set_work_pool(threads: int) -> None:
+    """Run every extension's parallel loops on sluice's work pool with ``threads`` threads, the caller
+    included, or (0) on torch's OpenMP threads, as at start-up.  NOTE(work-pool) in ``csrc/work_pool.h``:
+    a loop waits only for chunks a thread has started, and the pool's workers yield their core first,
+    so the engine does not stall whenever another process takes one of its cores."""
+    if threads < 0:
+        raise ValueError(f"work pool threads must be >= 0, got {threads}")
+    with _REG.lock:
+        _REG.pool_threads = threads
+        for mod in _REG.modules.values():
+            mod.set_pool_threads(threads)
+
+
+def work_pool_threads() -> int:
+    """The threads set by ``set_work_pool`` (0: the pool is off)."""
+    return _REG.pool_threads
 
 
 def status(*names: str) -> dict[str, dict[str, Any]]:

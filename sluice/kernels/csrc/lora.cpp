@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "fp32_tile.h"
+#include "work_pool.h"
 
 namespace {
 
@@ -96,7 +97,7 @@ void run_items(const std::vector<Item>& items, int64_t work, const std::function
   if (n == 0) return;
   const int64_t per_item = std::max<int64_t>(1, work / n);
   const int64_t grain = std::max<int64_t>(1, 65536 / per_item);
-  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) fn(items[i]);
   });
 }
@@ -180,6 +181,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &LoRASeam::rank)
       .def_property_readonly("in_features", &LoRASeam::in_features)
       .def_property_readonly("out_features", &LoRASeam::out_features);
+  SLUICE_BIND_WORK_POOL(m);
   m.def("lora_apply", &lora_apply, "out[rows of g] += B_g (A_g x[rows of g]) for every adapter group, in place",
         pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("starts"), pybind11::arg("ends"), pybind11::arg("seams"),
         pybind11::arg("isa") = -1);

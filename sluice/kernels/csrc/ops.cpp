@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include "work_pool.h"
 
 namespace sluice {
 namespace {
@@ -151,7 +152,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
               "argmax_rows: x (N, V) float32 with V > 0");
   const int64_t N = x.size(0), V = x.size(1);
   auto out = torch::empty({N}, x.options().dtype(torch::kLong));
-  at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
     argmax_row_span(x.data_ptr<float>(), x.stride(0), V, out.data_ptr<int64_t>(), b, e);
   });
   return out;
@@ -162,7 +163,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "rms_norm: weight (H,)");
   const int64_t T = x.size(0), H = x.size(1);
   auto y = torch::empty({T, H}, x.options());
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     rms_rows(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), y.data_ptr<float>(), H, b, e, H, (float)eps);
   });
   return y;
@@ -173,7 +174,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
               "silu_mul: (T, 2I) float32");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto y = torch::empty({T, I}, gu.options());
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     silu_mul_rows(gu.data_ptr<float>(), gu.stride(0), y.data_ptr<float>(), I, b, e, I);
   });
   return y;

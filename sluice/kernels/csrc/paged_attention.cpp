@@ -26,6 +26,7 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+#include "work_pool.h"
 
 namespace {
 
@@ -274,7 +275,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
                          bt.data_ptr<int32_t>(), qslp, sl.data_ptr<int32_t>(), skip.data_ptr<uint8_t>(),
                          seq_of.data(), out.data_ptr<scalar_t>(), q.stride(0), H, D, BS, bt.size(1), H / Hkv, Hkv * D,
                          BS * Hkv * D, (float)scale};
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
+  sluice::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
 }
 
 template <typename scalar_t>
@@ -306,7 +307,7 @@ static void write_slots(const torch::Tensor& x, const torch::Tensor& cache, cons
   const int64_t ld = x.stride(0) * (int64_t)x.element_size(), head = x.stride(1) * (int64_t)x.element_size();
   const char* src = reinterpret_cast<const char*>(x.data_ptr());
   char* dst = reinterpret_cast<char*>(cache.data_ptr());
-  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t)
       for (int64_t h = 0; h < Hkv; ++h)
         std::memcpy(dst + (slots[t] * Hkv + h) * row_bytes, src + t * ld + h * head, row_bytes);
@@ -383,6 +384,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  SLUICE_BIND_WORK_POOL(m);
   m.def("paged_attention", &paged_attention, "paged attention over the block tables (CPU); writes k_new/v_new at "
         "slot_mapping first unless slot_mapping is empty; q may be the (T, (H + 2 Hkv) D) qkv rows",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scales"),

@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "work_pool.h"
+
 namespace sluice {
 
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -444,7 +446,7 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
   // stay in L1/L2 while a thread sweeps its tiles (weights stream once per block).
   constexpr int64_t kRowBlock = 64, kTileGroup = 8;
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * std::min<int64_t>(M, kRowBlock)));
-  at::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
+  sluice::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float res[kMaxRows * kTile];
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t me = std::min<int64_t>(M, mb + kRowBlock);
@@ -483,7 +485,7 @@ void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, 
   const int isa = path == kScalar ? 0 : (path == kAvx512Vnni || path == kAmx ? 2 : 1);
   const int64_t NT = (N + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K * M / 16));
-  at::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
+  sluice::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float res[4 * kTile];
     for (int64_t tile = t0; tile < t1; ++tile) {
       const float* wt = wpack + tile * K * kTile;

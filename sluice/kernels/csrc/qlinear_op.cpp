@@ -20,6 +20,7 @@
 
 #include "ops.h"
 #include "qgemm.h"
+#include "work_pool.h"
 
 namespace sluice {
 namespace {
@@ -53,7 +54,7 @@ struct ActBuf {
                     xs + b * KB, xs16 + 2 * b * KB, avx2);
     };
     if (M * K >= 65536)
-      at::parallel_for(0, M, 1, body);
+      sluice::parallel_for(0, M, 1, body);
     else
       body(0, M);
     a = ActQ{q.get(), dx, dxs, dxs16, xs, xs16, K};
@@ -227,7 +228,7 @@ void rope_qk_rows(float* op, int64_t T, int64_t ld, const int64_t* pos, const fl
     }
   };
   if (T >= 16)
-    at::parallel_for(0, T, 8, body);
+    sluice::parallel_for(0, T, 8, body);
   else
     body(0, T);
 }

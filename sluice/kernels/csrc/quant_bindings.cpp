@@ -8,6 +8,7 @@
 
 #include "ops.h"
 #include "qgemm.h"
+#include "work_pool.h"
 
 namespace {
 
@@ -57,7 +58,7 @@ std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, bool use_avx2) {
                           xs.data_ptr<int32_t>() + b * KB, xs16.data_ptr<int32_t>() + 2 * b * KB, avx2);
   };
   if (M * K >= 32768)
-    at::parallel_for(0, M, 1, body);
+    sluice::parallel_for(0, M, 1, body);
   else
     body(0, M);
   return {q, dx, dxs, dxs16, xs, xs16};
@@ -143,6 +144,7 @@ torch::Tensor dequant_rows(const std::vector<torch::Tensor>& weight, int64_t N, 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  SLUICE_BIND_WORK_POOL(m);
   m.def("cpu_features", &cpu_features, "ISA features this build can use on this CPU");
   m.def("quantize_act", &quantize_act, "int8 per-32 activation quantization (6 tensors)");
   m.def("qgemm", &qgemm, "quantized GEMM into out[:, col0:col0+N]");

@@ -1,0 +1,126 @@
+"""The kernels' work pool (NOTE(work-pool) in sluice/kernels/csrc/work_pool.h): every index of a loop runs
+exactly once on any thread count, a failing chunk raises, nested loops and forked children work, and the
+engine puts a quantized model's kernels on it with the same tokens as on torch's OpenMP threads."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.core import EngineCore
+from sluice.engine.protocol import EngineRequest, SamplingParams
+from sluice.kernels import ext
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+from gguf_factory import write_tiny_gguf  # noqa: E402
+
+MODULES = ["quant", "attention", "lora"]
+
+
+@pytest.fixture
+def restore_pool() -> Iterator[None]:
+    threads, pool = torch.get_num_threads(), ext.work_pool_threads()
+    yield
+    ext.set_work_pool(pool)
+    torch.set_num_threads(threads)
+
+
+def _load(name: str) -> ModuleType:
+    try:
+        return ext.load(name)
+    except ext.KernelUnavailableError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
+def test_every_index_runs_exactly_once(restore_pool: None, name: str, threads: int) -> None:
+    mod = _load(name)
+    ext.set_work_pool(threads)
+    assert mod.pool_threads() == threads
+    for n in (1, 2, 7, 64, 1000, 100_003):
+        for grain in (1, 3, 64, 10**6):
+            visits, ran = mod.pool_probe(n, grain)
+            assert visits.shape == (n,) and bool((visits == 1).all()), (n, grain, int(visits.min()), int(visits.max()))
+            assert 1 <= ran <= max(threads, torch.get_num_threads(), 1), (n, grain, ran)
+
+
+def test_the_workers_take_chunks(restore_pool: None) -> None:
+    mod = _load("quant")
+    ext.set_work_pool(2)
+    # a loop of 8 chunks of ~1 ms each: the worker (spinning, or woken in microseconds) takes some of
+    # them in at least one of 20 tries; a pool whose workers never ran would leave them all to the caller
+    assert any(mod.pool_probe(2_000_000, 1)[1] == 2 for _ in range(20))
+
+
+def test_a_failing_chunk_raises_and_the_pool_goes_on(restore_pool: None) -> None:
+    mod = _load("quant")
+    ext.set_work_pool(2)
+    for fail_at in (0, 499_999, 999_999):
+        with pytest.raises(RuntimeError, match=f"failing at {fail_at}"):
+            mod.pool_probe(1_000_000, 1, fail_at)
+    visits, _ = mod.pool_probe(1_000_000, 1)
+    assert bool((visits == 1).all())
+
+
+def test_a_loop_nested_in_a_chunk_runs_on_its_thread(restore_pool: None) -> None:
+    mod = _load("quant")
+    ext.set_work_pool(2)
+    visits, _ = mod.pool_probe(4096, 1, -1, True)  # each index runs a 64-index loop inside a chunk
+    assert bool((visits == 1).all())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_loops(restore_pool: None) -> None:
+    mod = _load("quant")
+    ext.set_work_pool(2)
+    mod.pool_probe(1_000_000, 1)  # the parent's workers exist (and none of them is forked)
+    pid = os.fork()
+    if pid == 0:  # the child: its pool starts workers of its own (n below torch's own parallel grain:
+        # torch's OpenMP is not usable in a forked child)
+        ok = all(bool((mod.pool_probe(20_000, 1)[0] == 1).all()) for _ in range(3))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _greedy(model: str, **kw: object) -> tuple[list[int], EngineCore]:
+    eng = EngineCore(EngineConfig(model=model, kv_cache_memory=4 << 20, **kw))  # type: ignore[arg-type]
+    for i, n in enumerate((5, 40, 130)):  # a few rows, a chunked prefill, several blocks of context
+        eng.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=[(7 * i + j) % 200 + 3 for j in range(n)],
+                                      sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))  # fmt: skip
+    toks: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [t for rid in sorted(toks) for t in toks[rid]], eng
+
+
+def test_the_engine_runs_a_quantized_model_on_the_pool_with_the_same_tokens(
+    restore_pool: None, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(write_tiny_gguf(tiny_llama_dir, tmp_path / "tiny-q4_1.gguf", "Q4_1", "Q8_0"))
+    pooled, eng = _greedy(path, num_threads=2)
+    assert eng.runner.work_pool_threads == 2 and ext.work_pool_threads() == 2
+    assert torch.get_num_threads() == 1, "torch's own ops keep one thread beside the pool"
+    monkeypatch.setenv("SLUICE_WORK_POOL", "0")
+    omp, eng = _greedy(path, num_threads=2)
+    assert eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
+    assert torch.get_num_threads() == 2
+    assert pooled == omp, "the kernels compute the same bits on either threads"
+    monkeypatch.delenv("SLUICE_WORK_POOL")
+    single, eng = _greedy(path, num_threads=1)
+    assert eng.runner.work_pool_threads == 0 and single == pooled
+
+
+def test_a_float_model_keeps_torchs_threads(restore_pool: None, tiny_llama_dir: Path) -> None:
+    _, eng = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
+    assert eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
+    assert torch.get_num_threads() == 2
