@@ -153,7 +153,8 @@ class EngineConfig:
         "Size cap of the disk KV tier, e.g. 20GiB; least recently used files are evicted.",
         parse=parse_bytes))
     num_threads: int | None = field(default=None, metadata=setting(
-        "Engine torch intra-op threads (default: torch's, one per core)."))
+        "Engine compute threads (default: torch's, one per core): sluice's kernels run them on their own "
+        "work pool where the whole model runs on those kernels, else they are torch's intra-op threads."))
     quantization: str = field(default="auto", metadata=setting(
         "Weight format served: auto (what the checkpoint holds: GGUF / AWQ / GPTQ weights as they are, "
         "float checkpoints in float), none (everything dequantized to --dtype), int8 / int4 (quantized at "
