@@ -26,10 +26,13 @@
 // do not depend on which thread ran which chunk (the kernels' reductions are
 // never split across threads: NOTE(parallel) in qgemm.cpp).
 //
-// Each extension module (quant, attention, lora) has a pool of its own; an
-// idle pool's workers spin ``kSpinIters`` pauses and then sleep.  A loop
-// entered while the pool is busy (another thread, or a loop nested in a
-// chunk) runs on the calling thread alone.
+// The three extension modules (quant, attention, lora) share one pool: the
+// static in ``WorkPool::get`` is an inline function's, which GCC binds once per
+// process across shared objects (checked: one module's set_pool_threads is
+// what the others report); a pool per module would be correct too.  Idle
+// workers spin ``kSpinIters`` pauses and then sleep.  A loop entered while the
+// pool is busy (another thread, or a loop nested in a chunk) runs on the
+// calling thread alone.
 #pragma once
 
 #include <ATen/Parallel.h>
