@@ -95,6 +95,8 @@ def load(name: str) -> ModuleType:
         if os.environ.get("SLUICE_KERNELS_JIT") != "1":  # tests force the JIT path with it
             try:
                 mod = importlib.import_module(module)
+                if not hasattr(mod, "set_pool_threads"):  # built from older sources: rebuild from these
+                    raise ImportError(f"{module} is a stale build (it has no set_pool_threads)")
                 mod.set_pool_threads(_REG.pool_threads)
                 _REG.modules[name] = mod
                 _REG.info[name] = {"how": "prebuilt", "path": getattr(mod, "__file__", None)}

@@ -45,3 +45,20 @@ def test_jit_fallback_builds_once_and_runs() -> None:
 def test_unknown_extension_is_a_clear_error() -> None:
     with pytest.raises(ext.KernelUnavailableError, match="unknown kernel extension"):
         ext.load("nope")
+
+
+def test_a_stale_prebuilt_extension_is_rebuilt_from_the_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a prebuilt module from older sources (no work pool bindings) must not be used with today's Python
+    import types
+
+    stale = types.ModuleType("stale")
+    fresh = types.ModuleType("fresh")
+    calls: list[int] = []
+    fresh.set_pool_threads = calls.append  # type: ignore[attr-defined]
+    monkeypatch.setattr(ext, "_REG", ext._Registry())
+    monkeypatch.setattr(ext.importlib, "import_module", lambda name: stale)
+    monkeypatch.setattr(ext, "_jit", lambda name, sources, flags: fresh)
+    assert ext.load("attention") is fresh
+    info = ext.status("attention")["attention"]
+    assert info["how"] == "jit" and "stale build" in info["why"], info
+    assert calls == [0], "the fresh module gets the pool's setting (0: off) as it loads"
