@@ -21,12 +21,13 @@ if os.environ.get("SLUICE_SKIP_EXT_BUILD") != "1":
         pass
     else:
         # NOTE(parallel-ext): the largest extension (quant, five sources) first, so it starts at once
-        for module, files, flags in sorted(spec["EXTENSIONS"].values(), key=lambda e: -len(e[1])):
+        for name, (module, files, flags) in sorted(spec["EXTENSIONS"].items(), key=lambda e: -len(e[1][1])):
+            digest = spec["source_hash"](name)  # NOTE(source-hash): ext.load checks it against the sources
             ext_modules.append(
                 CppExtension(
                     module,
                     [os.path.join(spec["CSRC"], f) for f in files],
-                    extra_compile_args=flags,
+                    extra_compile_args=[*flags, f"-D{spec['SOURCE_HASH_MACRO']}={digest}"],
                     extra_link_args=["-fopenmp"],
                 )
             )

@@ -13,7 +13,10 @@ uses what the machine has.
 
 from __future__ import annotations
 
-__all__ = ["EXTENSIONS", "CSRC"]
+import hashlib
+from pathlib import Path
+
+__all__ = ["EXTENSIONS", "CSRC", "SOURCE_HASH_MACRO", "source_hash"]
 
 CSRC = "sluice/kernels/csrc"
 
@@ -34,3 +37,29 @@ EXTENSIONS: dict[str, tuple[str, list[str], list[str]]] = {
     # (sluice/models/lora.py); no FP contraction, like quant: batch invariant.
     "lora": ("sluice.kernels._C_lora", ["lora.cpp"], ["-O3", "-fopenmp", "-ffp-contract=off"]),
 }
+
+SOURCE_HASH_MACRO = "SLUICE_SOURCE_HASH"  # csrc/build_info.h binds it as the module's source_hash()
+
+
+def source_hash(name: str, csrc: str | Path = CSRC) -> str:
+    """The digest a build of extension ``name`` from the sources in ``csrc`` carries: ``sh_<16 hex>``.
+
+    NOTE(source-hash): it covers the extension's sources, every header and
+    ``.inc`` file of ``csrc`` (any of them may be included) and its flags.
+    ``setup.py`` and the JIT build compile it in (``-DSLUICE_SOURCE_HASH=...``,
+    a plain identifier, so no quoting reaches a shell); ``sluice.kernels.ext``
+    loads a prebuilt module only when its ``source_hash()`` equals the digest of
+    the sources installed beside it.  A module compiled from older sources (an
+    editable install whose C++ was edited since, a build directory copied
+    across versions) is rebuilt from today's sources instead of being run
+    against Python that expects other bindings or other results.
+    """
+    _, files, flags = EXTENSIONS[name]
+    root = Path(csrc)
+    h = hashlib.sha256()
+    headers = sorted(p.name for p in root.iterdir() if p.suffix in (".h", ".inc"))
+    for f in [*files, *headers]:
+        h.update(f.encode() + b"\0")
+        h.update((root / f).read_bytes())
+    h.update(" ".join(flags).encode())
+    return "sh_" + h.hexdigest()[:16]

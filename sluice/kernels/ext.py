@@ -8,7 +8,9 @@
 NOTE(jit-cache): the fallback JIT build goes to
 ``<sluice cache>/kernels/<name>-<hash>`` where the hash covers the sources, the
 flags and the torch version, so two virtual environments (or two checkouts)
-on one machine share a build instead of rebuilding in turn.
+on one machine share a build instead of rebuilding in turn.  A prebuilt module
+is used only when it was compiled from the sources installed beside it
+(NOTE(source-hash) in ``build_spec.py``); a stale one is rebuilt like a missing one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sluice.kernels.build_spec import EXTENSIONS
+from sluice.kernels.build_spec import EXTENSIONS, SOURCE_HASH_MACRO, source_hash
 
 __all__ = ["load", "status", "set_work_pool", "work_pool_threads", "KernelUnavailableError", "csrc_dir"]
 
@@ -62,24 +64,26 @@ def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
     import torch
     from torch.utils.cpp_extension import load as cpp_load
 
-    h = hashlib.sha256()
-    # the headers and .inc files they include too (qgemm.h, fp32_tile.h, ...): a change there rebuilds
-    csrc = sources[0].parent
-    for s in [*sources, *sorted(p for p in csrc.iterdir() if p.suffix in (".h", ".inc"))]:
-        h.update(s.read_bytes())
-    h.update(" ".join(flags).encode())
-    h.update(torch.__version__.encode())
-    tag = f"sluice_{name}_{h.hexdigest()[:12]}"
+    digest = source_hash(name, sources[0].parent)  # NOTE(source-hash): the headers and .inc files too
+    tag = f"sluice_{name}_{digest[3:]}_{hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]}"
     build = _cache_root() / tag
     build.mkdir(parents=True, exist_ok=True)
     return cpp_load(
         name=tag,
         sources=[str(s) for s in sources],
-        extra_cflags=flags,
+        extra_cflags=[*flags, f"-D{SOURCE_HASH_MACRO}={digest}"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
         verbose=False,
     )
+
+
+def _check_fresh(name: str, module: str, mod: ModuleType) -> None:
+    """ImportError unless ``mod`` was compiled from the sources installed beside it (NOTE(source-hash))."""
+    built = mod.source_hash() if hasattr(mod, "source_hash") else "(none: older than source hashes)"
+    want = source_hash(name, csrc_dir())
+    if built != want:
+        raise ImportError(f"{module} is a stale build: compiled from sources {built}, these are {want}")
 
 
 def load(name: str) -> ModuleType:
@@ -95,8 +99,7 @@ def load(name: str) -> ModuleType:
         if os.environ.get("SLUICE_KERNELS_JIT") != "1":  # tests force the JIT path with it
             try:
                 mod = importlib.import_module(module)
-                if not hasattr(mod, "set_pool_threads"):  # built from older sources: rebuild from these
-                    raise ImportError(f"{module} is a stale build (it has no set_pool_threads)")
+                _check_fresh(name, module, mod)  # built from older sources: rebuild from these
                 mod.set_pool_threads(_REG.pool_threads)
                 _REG.modules[name] = mod
                 _REG.info[name] = {"how": "prebuilt", "path": getattr(mod, "__file__", None)}

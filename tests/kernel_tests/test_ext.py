@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 
 from sluice.kernels import ext
-from sluice.kernels.build_spec import EXTENSIONS
+from sluice.kernels.build_spec import EXTENSIONS, source_hash
 
 
 def test_install_time_builds_are_the_ones_loaded() -> None:
@@ -47,18 +50,57 @@ def test_unknown_extension_is_a_clear_error() -> None:
         ext.load("nope")
 
 
-def test_a_stale_prebuilt_extension_is_rebuilt_from_the_sources(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a prebuilt module from older sources (no work pool bindings) must not be used with today's Python
-    import types
-
-    stale = types.ModuleType("stale")
-    fresh = types.ModuleType("fresh")
+def _fake_module(name: str, digest: str | None) -> tuple[types.ModuleType, list[int]]:
+    """A stand-in for a compiled module: ``source_hash()`` returns ``digest`` (None: it has none)."""
+    mod = types.ModuleType(name)
     calls: list[int] = []
-    fresh.set_pool_threads = calls.append  # type: ignore[attr-defined]
+    mod.set_pool_threads = calls.append  # type: ignore[attr-defined]
+    if digest is not None:
+        mod.source_hash = lambda: digest  # type: ignore[attr-defined]
+    return mod, calls
+
+
+@pytest.mark.parametrize("built", [None, "sh_0000000000000000"], ids=["no-hash", "other-sources"])
+def test_a_stale_prebuilt_extension_is_rebuilt_from_the_sources(monkeypatch: pytest.MonkeyPatch, built: str | None) -> None:
+    # NOTE(source-hash): a prebuilt module compiled from other sources (older than the hashes, or
+    # from sources edited since) must not run with today's Python: it is compiled again from these
+    stale, _ = _fake_module("stale", built)
+    fresh, calls = _fake_module("fresh", None)
     monkeypatch.setattr(ext, "_REG", ext._Registry())
     monkeypatch.setattr(ext.importlib, "import_module", lambda name: stale)
     monkeypatch.setattr(ext, "_jit", lambda name, sources, flags: fresh)
     assert ext.load("attention") is fresh
     info = ext.status("attention")["attention"]
     assert info["how"] == "jit" and "stale build" in info["why"], info
+    assert source_hash("attention", ext.csrc_dir()) in info["why"], "the reason names the sources' digest"
     assert calls == [0], "the fresh module gets the pool's setting (0: off) as it loads"
+
+
+def test_a_prebuilt_extension_from_these_sources_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    current, calls = _fake_module("current", source_hash("lora", ext.csrc_dir()))
+    monkeypatch.setattr(ext, "_REG", ext._Registry())
+    monkeypatch.setattr(ext.importlib, "import_module", lambda name: current)
+    monkeypatch.setattr(ext, "_jit", lambda *a: pytest.fail("a current build must not be compiled again"))
+    assert ext.load("lora") is current
+    assert ext.status("lora")["lora"]["how"] == "prebuilt" and calls == [0]
+
+
+def test_every_loaded_extension_carries_the_digest_of_the_sources_beside_it() -> None:
+    # what setup.py (or the JIT build) compiled in is what ext.load compares: a build that dropped
+    # the -D flag would report "unknown" here, and every load would compile the kernels again
+    for name in EXTENSIONS:
+        assert ext.load(name).source_hash() == source_hash(name, ext.csrc_dir()), name
+
+
+def test_the_digest_changes_with_any_header_or_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    csrc = tmp_path / "csrc"
+    shutil.copytree(ext.csrc_dir(), csrc)
+    before = {name: source_hash(name, csrc) for name in EXTENSIONS}
+    assert before == {name: source_hash(name, ext.csrc_dir()) for name in EXTENSIONS}, "the path is not hashed"
+    with (csrc / "work_pool.h").open("a") as f:  # a header every extension includes
+        f.write("\n// edited\n")
+    assert all(source_hash(name, csrc) != before[name] for name in EXTENSIONS)
+    (csrc / "work_pool.h").write_bytes((ext.csrc_dir() / "work_pool.h").read_bytes())
+    module, files, flags = EXTENSIONS["quant"]
+    monkeypatch.setitem(EXTENSIONS, "quant", (module, files, [*flags, "-DEXTRA"]))
+    assert source_hash("quant", csrc) != before["quant"] and source_hash("lora", csrc) == before["lora"]

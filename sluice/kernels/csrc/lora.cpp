@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "fp32_tile.h"
+#include "build_info.h"
 #include "work_pool.h"
 
 namespace {
@@ -182,6 +183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("in_features", &LoRASeam::in_features)
       .def_property_readonly("out_features", &LoRASeam::out_features);
   SLUICE_BIND_WORK_POOL(m);
+  SLUICE_BIND_SOURCE_HASH(m);
   m.def("lora_apply", &lora_apply, "out[rows of g] += B_g (A_g x[rows of g]) for every adapter group, in place",
         pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("starts"), pybind11::arg("ends"), pybind11::arg("seams"),
         pybind11::arg("isa") = -1);

@@ -26,6 +26,7 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+#include "build_info.h"
 #include "work_pool.h"
 
 namespace {
@@ -385,6 +386,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   SLUICE_BIND_WORK_POOL(m);
+  SLUICE_BIND_SOURCE_HASH(m);
   m.def("paged_attention", &paged_attention, "paged attention over the block tables (CPU); writes k_new/v_new at "
         "slot_mapping first unless slot_mapping is empty; q may be the (T, (H + 2 Hkv) D) qkv rows",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scales"),

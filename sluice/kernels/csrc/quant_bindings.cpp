@@ -8,6 +8,7 @@
 
 #include "ops.h"
 #include "qgemm.h"
+#include "build_info.h"
 #include "work_pool.h"
 
 namespace {
@@ -145,6 +146,7 @@ torch::Tensor dequant_rows(const std::vector<torch::Tensor>& weight, int64_t N, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   SLUICE_BIND_WORK_POOL(m);
+  SLUICE_BIND_SOURCE_HASH(m);
   m.def("cpu_features", &cpu_features, "ISA features this build can use on this CPU");
   m.def("quantize_act", &quantize_act, "int8 per-32 activation quantization (6 tensors)");
   m.def("qgemm", &qgemm, "quantized GEMM into out[:, col0:col0+N]");
