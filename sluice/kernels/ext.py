@@ -80,8 +80,11 @@ def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
 
 def _check_fresh(name: str, module: str, mod: ModuleType) -> None:
     """ImportError unless ``mod`` was compiled from the sources installed beside it (NOTE(source-hash))."""
+    try:
+        want = source_hash(name, csrc_dir())
+    except OSError:  # no sources installed beside it: nothing to compare with, nor to compile instead
+        return
     built = mod.source_hash() if hasattr(mod, "source_hash") else "(none: older than source hashes)"
-    want = source_hash(name, csrc_dir())
     if built != want:
         raise ImportError(f"{module} is a stale build: compiled from sources {built}, these are {want}")
 

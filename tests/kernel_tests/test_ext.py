@@ -85,6 +85,16 @@ def test_a_prebuilt_extension_from_these_sources_is_used(monkeypatch: pytest.Mon
     assert ext.status("lora")["lora"]["how"] == "prebuilt" and calls == [0]
 
 
+def test_without_sources_beside_it_a_prebuilt_extension_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # an install that ships the compiled modules only: nothing to compare with, nothing to rebuild from
+    old, _ = _fake_module("old", None)
+    monkeypatch.setattr(ext, "_REG", ext._Registry())
+    monkeypatch.setattr(ext, "csrc_dir", lambda: tmp_path / "absent")
+    monkeypatch.setattr(ext.importlib, "import_module", lambda name: old)
+    monkeypatch.setattr(ext, "_jit", lambda *a: pytest.fail("there are no sources to compile"))
+    assert ext.load("quant") is old and ext.status("quant")["quant"]["how"] == "prebuilt"
+
+
 def test_every_loaded_extension_carries_the_digest_of_the_sources_beside_it() -> None:
     # what setup.py (or the JIT build) compiled in is what ext.load compares: a build that dropped
     # the -D flag would report "unknown" here, and every load would compile the kernels again
