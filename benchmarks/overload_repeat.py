@@ -3,6 +3,7 @@
     python benchmarks/overload_repeat.py                       # 3x of the capacity measured first, seeds 0,0,1, 30 s each
     python benchmarks/overload_repeat.py --rate 64 --lone-ttft 0.012   # a fixed load and fixed targets (an A/B)
     python benchmarks/overload_repeat.py --timeline            # also a per-second table of each run
+    python benchmarks/overload_repeat.py --rate 48 --lone-ttft 0.016 --neighbour 0.45   # an A/B under a neighbour
 
 ``overload.py`` runs each load once; its 3x goodput and P0 attainment are
 single samples.  This script starts one ``sluice serve`` (default settings)
@@ -25,6 +26,13 @@ targets stay those of the start; the probe shows how fast the machine was at
 that moment.  On the shared 2-core test machines one setting's 30-s runs moved
 between 45% and 96% P0 attainment within twenty minutes, and a run is only
 comparable to another measured at a similar lone TTFT.
+
+NOTE(neighbour): the host's slow stretches come and go on their own, so an A/B
+of a change meant for them may never see one.  ``--neighbour DUTY`` runs, during
+each load step only, a process that keeps one core busy for DUTY of every
+100 ms (not pinned: the scheduler puts it where it likes, as a noisy neighbour
+is), and reports the CPU it took.  It stops with the step, and by itself after
+the step's time plus its timeout in any case.
 """
 
 from __future__ import annotations
@@ -32,10 +40,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +57,43 @@ import overload as ov  # noqa: E402
 from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
 
 _CLK = os.sysconf("SC_CLK_TCK")
+
+
+_NEIGHBOUR = """
+import sys, time
+duty, period, end = float(sys.argv[1]), 0.1, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    t = time.perf_counter()
+    while time.perf_counter() - t < duty * period:
+        pass
+    time.sleep((1.0 - duty) * period)
+"""
+
+
+@contextlib.contextmanager
+def neighbour(duty: float, max_s: float) -> Iterator[subprocess.Popen[bytes] | None]:
+    """A process busy for ``duty`` of every 100 ms while the block runs (NOTE(neighbour)); None for duty 0.
+    It is stopped when the block ends, and stops by itself after ``max_s`` seconds whatever happens."""
+    if duty <= 0.0:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(duty), str(max_s)])
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _duty(value: str) -> float:
+    duty = float(value)
+    if not 0.0 <= duty < 1.0:
+        raise argparse.ArgumentTypeError(f"a share of one core in [0, 1), got {value}")
+    return duty
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -142,7 +190,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             me, t0 = time.process_time(), time.perf_counter()
             samples: list[tuple[float, dict[str, float]]] = []
             sampler = asyncio.create_task(_sample(server.url, t0, samples)) if args.timeline else None
-            records, health = await ov.load_step(server, rate, args.step_s, args.max_tokens, seed, args.timeout)
+            with neighbour(args.neighbour, args.step_s + args.timeout + 30.0) as nb:
+                records, health = await ov.load_step(server, rate, args.step_s, args.max_tokens, seed, args.timeout)
+                nb_cpu = _cpu_seconds(nb.pid) if nb is not None else 0.0
             if sampler is not None:
                 sampler.cancel()
             wall = time.perf_counter() - t0
@@ -156,10 +206,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p0_attainment": p0["attainment"], "p0_ttft_p99_s": p0["ttft_p99_s"],
                     "p1_served_rps": p1_served, "p1_within_rps": (p1["attainment"] or 0.0) * p1_sent / args.step_s,
                     "goodput_rps": s["goodput_rps"], "cpu_engine": eng, "cpu_api": api,
-                    "cpu_client": (time.process_time() - me) / wall}  # fmt: skip
+                    "cpu_client": (time.process_time() - me) / wall, "cpu_neighbour": nb_cpu / wall}  # fmt: skip
             runs.append(run_)
             print(f"  run {k + 1} (seed {seed}, lone TTFT before it {probe * 1000:.1f} ms): P0 {p0['attainment']:.1%}, P1 served {p1_served:.1f}/s, goodput "
-                  f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%}",
+                  f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%} "
+                  f"neighbour {run_['cpu_neighbour']:.0%}",
                   file=sys.stderr)  # fmt: skip
             if args.timeline:
                 run_["timeline"] = _timeline(samples, records, targets)
@@ -172,10 +223,11 @@ def table(result: dict[str, Any]) -> str:
     rows = [[r["run"], r["seed"], ov._fmt(r["lone_ttft_before_s"], 1000, 1), f"{(r['p0_attainment'] or 0):.1%}",
              ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
              f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
-             f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}"] for r in result["runs"]]  # fmt: skip
+             f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}",
+             f"{r.get('cpu_neighbour', 0.0):.0%}"] for r in result["runs"]]  # fmt: skip
     return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 TTFT p99 (ms)", "P1 served (req/s)",
-                           "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client"],
-                          rows)  # fmt: skip
+                           "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client",
+                           "CPU neighbour"], rows)  # fmt: skip
 
 
 def main() -> None:
@@ -191,6 +243,8 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=30.0)
     ov.add_load_args(ap)
     ap.add_argument("--timeline", action="store_true", help="per-second table of each run (printed, and in the doc)")
+    ap.add_argument("--neighbour", type=_duty, default=0.0, metavar="DUTY",
+                    help="during each run, a process that keeps one core busy this share of the time (NOTE(neighbour))")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
@@ -210,7 +264,10 @@ def main() -> None:
             f"{result['lone_ttft_s'] * 1000:.0f} ms, targets p0/p1/p2 {tgt} s). CPU in % of one core, from /proc, "
             "over the run (the engine's OpenMP threads spin while they wait: an upper bound of its work). "
             "\"lone TTFT before\": the lone TTFT measured again on the idle server just before the run "
-            "(NOTE(host-drift)); the targets stay those above.\n\n"
+            "(NOTE(host-drift)); the targets stay those above."
+            + (f" During each run a neighbour process kept one core busy {args.neighbour:.0%} of the time "
+               "(NOTE(neighbour)); \"CPU neighbour\" is what it got." if args.neighbour else "")
+            + "\n\n"
             f"{text}\n"
             + "".join(f"\nRun {r['run']}, per second:\n\n{r['timeline']}\n" for r in result["runs"] if "timeline" in r)
             + f"\n{machine_line()}\n"

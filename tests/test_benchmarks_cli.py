@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -406,7 +407,8 @@ def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytes
     monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
     monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
     args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.012, mult=3.0, seeds=[0, 1], step_s=1.0,
-                              max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0)  # fmt: skip
+                              max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0,
+                              neighbour=0.0)  # fmt: skip
     out = asyncio.run(overload_repeat.run(args))
     assert calls == ["lone", "run", "lone", "run"], "a given lone TTFT: a probe before each run"
     assert out["targets_s"]["p0"] == pytest.approx(0.048), "the targets derive from the given lone TTFT only"
@@ -568,3 +570,58 @@ def test_cuda_check_runs_its_checks_on_the_cpu_and_refuses_cuda_in_one_line_with
         bad = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
         assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
             "cuda_check: no CUDA device here (torch.cuda.is_available() is False); try --device cpu"), bad.stderr
+
+
+def test_overload_repeat_runs_a_neighbour_during_each_run_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(neighbour): a busy process while each load step runs, gone after it; its CPU is reported."""
+    import argparse
+    import asyncio
+    import contextlib
+    import os
+
+    from benchmarks import overload, overload_repeat
+
+    seen: list[subprocess.Popen[bytes]] = []
+
+    @contextlib.contextmanager
+    def start_server(*_: Any) -> Any:
+        yield overload.Server("sluice", "http://127.0.0.1:1", "m", False, [argparse.Namespace(pid=os.getpid())])
+
+    async def lone_ttft(*_: Any) -> float:
+        return 0.012
+
+    real_neighbour = overload_repeat.neighbour
+
+    @contextlib.contextmanager
+    def neighbour(duty: float, max_s: float) -> Any:
+        assert duty == 0.5 and max_s > 1.0
+        with real_neighbour(duty, max_s) as proc:
+            seen.append(proc)
+            yield proc
+
+    async def load_step(*_: Any) -> tuple[list[Any], list[float]]:
+        assert seen and seen[-1].poll() is None, "the neighbour runs while the load does"
+        t = time.monotonic()
+        while overload_repeat._cpu_seconds(seen[-1].pid) < 0.05 and time.monotonic() - t < 10.0:
+            await asyncio.sleep(0.02)
+        return [overload.Record("p0", 0.1, 200, ttft=0.03)], [0.01]
+
+    async def sleep(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(overload_repeat.ov, "start_server", start_server)
+    monkeypatch.setattr(overload_repeat.ov, "lone_ttft", lone_ttft)
+    monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
+    monkeypatch.setattr(overload_repeat, "neighbour", neighbour)
+    monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
+    args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.012, mult=3.0, seeds=[0, 1], step_s=1.0,
+                              max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0,
+                              neighbour=0.5)  # fmt: skip
+    out = asyncio.run(overload_repeat.run(args))
+    assert len(seen) == 2 and all(p.poll() is not None for p in seen), "one neighbour per run, each stopped after it"
+    assert all(r["cpu_neighbour"] > 0.0 for r in out["runs"]), out["runs"]
+    assert "CPU neighbour" in overload_repeat.table(out).splitlines()[0]
+    with real_neighbour(0.0, 1.0) as none:
+        assert none is None, "duty 0: no neighbour"
+    with pytest.raises(argparse.ArgumentTypeError):
+        overload_repeat._duty("1.0")
