@@ -204,11 +204,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             p1_sent = sum(1 for r in records if r.priority == "p1")
             run_ = {"run": k + 1, "seed": seed, "lone_ttft_before_s": probe,
                     "p0_attainment": p0["attainment"], "p0_ttft_p99_s": p0["ttft_p99_s"],
+                    "p0_refused": p0["shed"] / max(1, p0["sent"]),
                     "p1_served_rps": p1_served, "p1_within_rps": (p1["attainment"] or 0.0) * p1_sent / args.step_s,
                     "goodput_rps": s["goodput_rps"], "cpu_engine": eng, "cpu_api": api,
                     "cpu_client": (time.process_time() - me) / wall, "cpu_neighbour": nb_cpu / wall}  # fmt: skip
             runs.append(run_)
-            print(f"  run {k + 1} (seed {seed}, lone TTFT before it {probe * 1000:.1f} ms): P0 {p0['attainment']:.1%}, P1 served {p1_served:.1f}/s, goodput "
+            print(f"  run {k + 1} (seed {seed}, lone TTFT before it {probe * 1000:.1f} ms): P0 {p0['attainment']:.1%} "
+                  f"({run_['p0_refused']:.1%} refused), P1 served {p1_served:.1f}/s, goodput "
                   f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%} "
                   f"neighbour {run_['cpu_neighbour']:.0%}",
                   file=sys.stderr)  # fmt: skip
@@ -221,11 +223,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     rows = [[r["run"], r["seed"], ov._fmt(r["lone_ttft_before_s"], 1000, 1), f"{(r['p0_attainment'] or 0):.1%}",
-             ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
+             f"{r.get('p0_refused', 0.0):.1%}", ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
              f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
              f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}",
              f"{r.get('cpu_neighbour', 0.0):.0%}"] for r in result["runs"]]  # fmt: skip
-    return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 TTFT p99 (ms)", "P1 served (req/s)",
+    return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 refused", "P0 TTFT p99 (ms)",
+                           "P1 served (req/s)",
                            "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client",
                            "CPU neighbour"], rows)  # fmt: skip
 

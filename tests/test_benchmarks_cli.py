@@ -415,7 +415,7 @@ def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytes
     assert [r["lone_ttft_before_s"] for r in out["runs"]] == [0.011, 0.019]
     rows = overload_repeat.table(out).splitlines()
     assert "lone TTFT before (ms)" in rows[0]
-    assert rows[2].startswith("| 1 | 0 | 11.0 | 50.0% |") and rows[3].startswith("| 2 | 1 | 19.0 | 50.0% |"), rows
+    assert rows[2].startswith("| 1 | 0 | 11.0 | 50.0% | 0.0% |") and rows[3].startswith("| 2 | 1 | 19.0 | 50.0% |"), rows
 
     calls.clear()
     out = asyncio.run(overload_repeat.run(argparse.Namespace(**{**vars(args), "lone_ttft": 0.0})))
@@ -604,7 +604,7 @@ def test_overload_repeat_runs_a_neighbour_during_each_run_only(monkeypatch: pyte
         t = time.monotonic()
         while overload_repeat._cpu_seconds(seen[-1].pid) < 0.05 and time.monotonic() - t < 10.0:
             await asyncio.sleep(0.02)
-        return [overload.Record("p0", 0.1, 200, ttft=0.03)], [0.01]
+        return [overload.Record("p0", 0.1, 200, ttft=0.03), overload.Record("p0", 0.2, 429)], [0.01]
 
     async def sleep(_: float) -> None:
         return None
@@ -620,6 +620,7 @@ def test_overload_repeat_runs_a_neighbour_during_each_run_only(monkeypatch: pyte
     out = asyncio.run(overload_repeat.run(args))
     assert len(seen) == 2 and all(p.poll() is not None for p in seen), "one neighbour per run, each stopped after it"
     assert all(r["cpu_neighbour"] > 0.0 for r in out["runs"]), out["runs"]
+    assert all(r["p0_refused"] == 0.5 for r in out["runs"]), "a refused P0 is a miss, and counted as refused"
     assert "CPU neighbour" in overload_repeat.table(out).splitlines()[0]
     with real_neighbour(0.0, 1.0) as none:
         assert none is None, "duty 0: no neighbour"
