@@ -103,10 +103,7 @@ def load(name: str) -> ModuleType:
             try:
                 mod = importlib.import_module(module)
                 _check_fresh(name, module, mod)  # built from older sources: rebuild from these
-                mod.set_pool_threads(_REG.pool_threads)
-                _REG.modules[name] = mod
-                _REG.info[name] = {"how": "prebuilt", "path": getattr(mod, "__file__", None)}
-                return mod
+                return _install(name, mod, how="prebuilt")
             except ImportError as e:
                 prebuilt_error = str(e)
         else:
@@ -120,10 +117,15 @@ def load(name: str) -> ModuleType:
                 f"kernel extension {name!r} is not built ({prebuilt_error}) and the JIT build failed: {e}"
             ) from e
         log.info("kernel extension %s: built on first use (not at install time: %s)", name, prebuilt_error)
-        mod.set_pool_threads(_REG.pool_threads)
-        _REG.modules[name] = mod
-        _REG.info[name] = {"how": "jit", "path": getattr(mod, "__file__", None), "why": prebuilt_error}
-        return mod
+        return _install(name, mod, how="jit", why=prebuilt_error)
+
+
+def _install(name: str, mod: ModuleType, **info: str) -> ModuleType:
+    """Register a loaded extension (under ``_REG.lock``) with the pool's current setting applied."""
+    mod.set_pool_threads(_REG.pool_threads)
+    _REG.modules[name] = mod
+    _REG.info[name] = {"how": info.pop("how"), "path": getattr(mod, "__file__", None), **info}
+    return mod
 
 
 def set_work_pool(threads: int) -> None:
