@@ -374,22 +374,40 @@ def test_overload_repeat_timeline_counts_misses_and_late_admissions_per_second()
     assert second1[:7] == ["1", "0", "0", "1", "1", "0", "0"], second1
 
 
-def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE(host-drift): each run is preceded by a lone-TTFT probe on the idle server, tabulated beside
-    it; the SLA targets stay those of the start."""
+def _fake_overload_repeat(monkeypatch: pytest.MonkeyPatch, lone_ttft: Any, load_step: Any, **over: Any) -> Any:
+    """``overload_repeat.run``'s arguments, with a fake server, lone-TTFT probe and load step patched in."""
     import argparse
-    import asyncio
     import contextlib
     import os
 
     from benchmarks import overload, overload_repeat
 
-    calls: list[str] = []
-    probes = iter([0.011, 0.019, 0.023, 0.031])
-
     @contextlib.contextmanager
     def start_server(*_: Any) -> Any:
         yield overload.Server("sluice", "http://127.0.0.1:1", "m", False, [argparse.Namespace(pid=os.getpid())])
+
+    async def sleep(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(overload_repeat.ov, "start_server", start_server)
+    monkeypatch.setattr(overload_repeat.ov, "lone_ttft", lone_ttft)
+    monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
+    monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
+    args = dict(sluice_args="", rate=40.0, lone_ttft=0.012, mult=3.0, seeds=[0, 1], step_s=1.0, max_tokens=16,
+                timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0, neighbour=0.0)  # fmt: skip
+    return argparse.Namespace(**{**args, **over})
+
+
+def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(host-drift): each run is preceded by a lone-TTFT probe on the idle server, tabulated beside
+    it; the SLA targets stay those of the start."""
+    import argparse
+    import asyncio
+
+    from benchmarks import overload, overload_repeat
+
+    calls: list[str] = []
+    probes = iter([0.011, 0.019, 0.023, 0.031])
 
     async def lone_ttft(*_: Any) -> float:
         calls.append("lone")
@@ -399,16 +417,7 @@ def test_overload_repeat_probes_the_lone_ttft_before_each_run(monkeypatch: pytes
         calls.append("run")
         return [overload.Record("p0", 0.1, 200, ttft=0.03), overload.Record("p0", 0.2, 200, ttft=0.09)], [0.01]
 
-    async def sleep(_: float) -> None:
-        return None
-
-    monkeypatch.setattr(overload_repeat.ov, "start_server", start_server)
-    monkeypatch.setattr(overload_repeat.ov, "lone_ttft", lone_ttft)
-    monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
-    monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
-    args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.012, mult=3.0, seeds=[0, 1], step_s=1.0,
-                              max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0,
-                              neighbour=0.0)  # fmt: skip
+    args = _fake_overload_repeat(monkeypatch, lone_ttft, load_step)
     out = asyncio.run(overload_repeat.run(args))
     assert calls == ["lone", "run", "lone", "run"], "a given lone TTFT: a probe before each run"
     assert out["targets_s"]["p0"] == pytest.approx(0.048), "the targets derive from the given lone TTFT only"
@@ -577,15 +586,10 @@ def test_overload_repeat_runs_a_neighbour_during_each_run_only(monkeypatch: pyte
     import argparse
     import asyncio
     import contextlib
-    import os
 
     from benchmarks import overload, overload_repeat
 
     seen: list[subprocess.Popen[bytes]] = []
-
-    @contextlib.contextmanager
-    def start_server(*_: Any) -> Any:
-        yield overload.Server("sluice", "http://127.0.0.1:1", "m", False, [argparse.Namespace(pid=os.getpid())])
 
     async def lone_ttft(*_: Any) -> float:
         return 0.012
@@ -606,17 +610,8 @@ def test_overload_repeat_runs_a_neighbour_during_each_run_only(monkeypatch: pyte
             await asyncio.sleep(0.02)
         return [overload.Record("p0", 0.1, 200, ttft=0.03), overload.Record("p0", 0.2, 429)], [0.01]
 
-    async def sleep(_: float) -> None:
-        return None
-
-    monkeypatch.setattr(overload_repeat.ov, "start_server", start_server)
-    monkeypatch.setattr(overload_repeat.ov, "lone_ttft", lone_ttft)
-    monkeypatch.setattr(overload_repeat.ov, "load_step", load_step)
+    args = _fake_overload_repeat(monkeypatch, lone_ttft, load_step, neighbour=0.5)
     monkeypatch.setattr(overload_repeat, "neighbour", neighbour)
-    monkeypatch.setattr(overload_repeat.asyncio, "sleep", sleep)
-    args = argparse.Namespace(sluice_args="", rate=40.0, lone_ttft=0.012, mult=3.0, seeds=[0, 1], step_s=1.0,
-                              max_tokens=16, timeout=5.0, timeline=False, pause_s=0.0, concurrency=8, calibrate_s=1.0,
-                              neighbour=0.5)  # fmt: skip
     out = asyncio.run(overload_repeat.run(args))
     assert len(seen) == 2 and all(p.poll() is not None for p in seen), "one neighbour per run, each stopped after it"
     assert all(r["cpu_neighbour"] > 0.0 for r in out["runs"]), out["runs"]
