@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -78,15 +80,30 @@ def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
     )
 
 
-def _check_fresh(name: str, module: str, mod: ModuleType) -> None:
-    """ImportError unless ``mod`` was compiled from the sources installed beside it (NOTE(source-hash))."""
+def _built_digests(module: str) -> list[str]:
+    """The source digest compiled into ``module``'s file (what looks like one: a list, though a
+    build holds one), read from its bytes without importing it.
+
+    NOTE(stale-no-import): a stale module must not be imported to ask it: pybind11 keeps the
+    types an imported module registered (``QLinearOp``), and the module compiled in its place
+    could then not register them again ("generic_type: type ... is already registered")."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"No module named {module!r}")
+    return [m.decode() for m in re.findall(rb"sh_[0-9a-f]{16}", Path(spec.origin).read_bytes())]
+
+
+def _stale_reason(name: str, module: str) -> str | None:
+    """Why the compiled ``module`` must not be used: built from sources other than those installed
+    beside it (NOTE(source-hash)); None when it was built from them, or when no sources are there."""
     try:
         want = source_hash(name, csrc_dir())
     except OSError:  # no sources installed beside it: nothing to compare with, nor to compile instead
-        return
-    built = mod.source_hash() if hasattr(mod, "source_hash") else "(none: older than source hashes)"
-    if built != want:
-        raise ImportError(f"{module} is a stale build: compiled from sources {built}, these are {want}")
+        return None
+    built = _built_digests(module)
+    if want in built:
+        return None
+    return f"{module} is a stale build: compiled from sources {built[0] if built else '(none: older than source hashes)'}, these are {want}"
 
 
 def load(name: str) -> ModuleType:
@@ -101,9 +118,10 @@ def load(name: str) -> ModuleType:
 
         if os.environ.get("SLUICE_KERNELS_JIT") != "1":  # tests force the JIT path with it
             try:
-                mod = importlib.import_module(module)
-                _check_fresh(name, module, mod)  # built from older sources: rebuild from these
-                return _install(name, mod, how="prebuilt")
+                stale = _stale_reason(name, module)  # built from other sources: rebuild from these
+                if stale:
+                    raise ImportError(stale)
+                return _install(name, importlib.import_module(module), how="prebuilt")
             except ImportError as e:
                 prebuilt_error = str(e)
         else:

@@ -63,22 +63,26 @@ def _fake_module(name: str, digest: str | None) -> tuple[types.ModuleType, list[
 @pytest.mark.parametrize("built", [None, "sh_0000000000000000"], ids=["no-hash", "other-sources"])
 def test_a_stale_prebuilt_extension_is_rebuilt_from_the_sources(monkeypatch: pytest.MonkeyPatch, built: str | None) -> None:
     # NOTE(source-hash): a prebuilt module compiled from other sources (older than the hashes, or
-    # from sources edited since) must not run with today's Python: it is compiled again from these
-    stale, _ = _fake_module("stale", built)
+    # from sources edited since) must not run with today's Python: it is compiled again from these.
+    # NOTE(stale-no-import): and it is never imported: its pybind11 types would stay registered
+    # and the rebuilt module could not register them again
     fresh, calls = _fake_module("fresh", None)
     monkeypatch.setattr(ext, "_REG", ext._Registry())
-    monkeypatch.setattr(ext.importlib, "import_module", lambda name: stale)
+    monkeypatch.setattr(ext, "_built_digests", lambda module: [built] if built else [])
+    monkeypatch.setattr(ext.importlib, "import_module", lambda name: pytest.fail(f"a stale {name} was imported"))
     monkeypatch.setattr(ext, "_jit", lambda name, sources, flags: fresh)
     assert ext.load("attention") is fresh
     info = ext.status("attention")["attention"]
     assert info["how"] == "jit" and "stale build" in info["why"], info
     assert source_hash("attention", ext.csrc_dir()) in info["why"], "the reason names the sources' digest"
+    assert (built or "(none") in info["why"], "and the digest the stale build carries"
     assert calls == [0], "the fresh module gets the pool's setting (0: off) as it loads"
 
 
 def test_a_prebuilt_extension_from_these_sources_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     current, calls = _fake_module("current", source_hash("lora", ext.csrc_dir()))
     monkeypatch.setattr(ext, "_REG", ext._Registry())
+    monkeypatch.setattr(ext, "_built_digests", lambda module: [source_hash("lora", ext.csrc_dir())])
     monkeypatch.setattr(ext.importlib, "import_module", lambda name: current)
     monkeypatch.setattr(ext, "_jit", lambda *a: pytest.fail("a current build must not be compiled again"))
     assert ext.load("lora") is current
@@ -93,6 +97,22 @@ def test_without_sources_beside_it_a_prebuilt_extension_is_used(monkeypatch: pyt
     monkeypatch.setattr(ext.importlib, "import_module", lambda name: old)
     monkeypatch.setattr(ext, "_jit", lambda *a: pytest.fail("there are no sources to compile"))
     assert ext.load("quant") is old and ext.status("quant")["quant"]["how"] == "prebuilt"
+
+
+def test_the_digest_is_read_from_the_module_file_without_importing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "fakepkg_digest"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "built.py").write_text("raise RuntimeError('imported')\nDIGEST = 'sh_0123456789abcdef'\n")
+    (pkg / "old.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert ext._built_digests("fakepkg_digest.built") == ["sh_0123456789abcdef"]
+    assert ext._built_digests("fakepkg_digest.old") == []
+    with pytest.raises(ImportError):
+        ext._built_digests("fakepkg_digest.absent")
+    for name, info in ext.status().items():  # the real extensions: what the file says is what the module says
+        if info["how"] == "prebuilt":
+            assert ext._built_digests(EXTENSIONS[name][0]) == [ext.load(name).source_hash()], name
 
 
 def test_every_loaded_extension_carries_the_digest_of_the_sources_beside_it() -> None:
