@@ -163,8 +163,12 @@ ActQ = list[torch.Tensor]  # the 6 tensors of quantize_act (q, dx, dxs, dxs16, x
 
 
 def quantize_activations(x: torch.Tensor, path: Path = Path.AVX2) -> ActQ:
-    """int8 per-32 quantization of x (M, K) float32; identical on every path."""
-    return kernel_module().quantize_act(x, path != Path.SCALAR)  # type: ignore[no-any-return]
+    """int8 per-32 quantization of x (M, K) float32; identical on every path.
+
+    The path picks the instructions: scalar, AVX2 (the ymm paths) or AVX-512 (the zmm
+    and AMX paths), each capped by what this CPU has (NOTE(act-quant-zmm) in qgemm.cpp)."""
+    isa = 0 if path == Path.SCALAR else 2 if path in (Path.AVX512VNNI, Path.AMX) else 1
+    return kernel_module().quantize_act(x, isa)  # type: ignore[no-any-return]
 
 
 def gemm(

@@ -64,11 +64,21 @@ def test_every_path_matches_the_reference_and_each_other(n, k, bits, g, z, with_
         assert torch.equal(out, first), f"{p.label} differs from {PATHS[0].label}: paths must be bit-identical"
 
 
-def test_activation_quantization_is_the_same_on_every_path() -> None:
-    x = torch.randn(5, 160) * torch.logspace(-3, 3, 160)
-    a, b = ql.quantize_activations(x, ql.Path.SCALAR), ql.quantize_activations(x, PATHS[0])
-    assert all(torch.equal(u, v) for u, v in zip(a, b))
+@pytest.mark.parametrize("rows", [1, 5, 64])  # 1: one thread; more: rows split over the work pool
+def test_activation_quantization_is_the_same_on_every_path(rows: int) -> None:
+    x = torch.randn(rows, 160) * torch.logspace(-3, 3, 160)
+    x[0, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    x[-1, 96:128] = torch.tensor([127.0] + [k + 0.5 for k in range(-16, 15)])  # scale 1: ties at .5
+    a = ql.quantize_activations(x, ql.Path.SCALAR)
+    assert torch.equal(a[0][-1, 97:101], torch.tensor([-16, -14, -14, -12], dtype=torch.int8)), "half to even"
+    assert int(a[0][0, 32:64].abs().max()) == 0 and float(a[1][0, 1]) == 0.0
+    for path in PATHS:  # the AVX2 and AVX-512 versions (as far as this CPU has them)
+        b = ql.quantize_activations(x, path)
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), f"{path.label}: activation codes or scales differ"
     assert int(a[0].abs().max()) <= 127, "activations use [-127, 127] so AVX2's maddubs never saturates"
+    q, dx = a[0].float().view(rows, 5, 32), a[1]
+    assert torch.equal(a[4], q.sum(-1).int()) and torch.equal(a[5], q.view(rows, 10, 16).sum(-1).int())
+    assert torch.allclose((q * dx.unsqueeze(-1)).view(rows, 160), x, rtol=0, atol=float(dx.max()) / 2 + 1e-6)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.label)

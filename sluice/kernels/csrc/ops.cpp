@@ -163,7 +163,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "rms_norm: weight (H,)");
   const int64_t T = x.size(0), H = x.size(1);
   auto y = torch::empty({T, H}, x.options());
-  sluice::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, T, 2, [&](int64_t b, int64_t e) {  // NOTE(small-grains) in qlinear_op.cpp
     rms_rows(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), y.data_ptr<float>(), H, b, e, H, (float)eps);
   });
   return y;
@@ -174,7 +174,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
               "silu_mul: (T, 2I) float32");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto y = torch::empty({T, I}, gu.options());
-  sluice::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  sluice::parallel_for(0, T, 2, [&](int64_t b, int64_t e) {
     silu_mul_rows(gu.data_ptr<float>(), gu.stride(0), y.data_ptr<float>(), I, b, e, I);
   });
   return y;

@@ -65,8 +65,14 @@ constexpr int kBlock = 32;
 inline int64_t block_bytes(int mode) { return mode == kW4 ? 256 : 512; }
 
 // Quantize rows of x (M, K), K % 32 == 0, into the ActQ arrays (caller-allocated).
+// isa: 0 scalar, 1 AVX2, 2 AVX-512 (every one gives the same bits); act_quant_isa(path)
+// is the best this CPU has for a kernel path (0 for the scalar path, so it stays scalar).
+// quantize_rows_parallel: the same, its rows on the work pool from two rows on.
+int act_quant_isa(int path);
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
-                   float* dxs16, int32_t* xs, int32_t* xs16, bool avx2);
+                   float* dxs16, int32_t* xs, int32_t* xs16, int isa);
+void quantize_rows_parallel(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
+                            float* dxs16, int32_t* xs, int32_t* xs16, int isa);
 
 // Whether this CPU can run a kernel path.
 bool path_supported(int path);

@@ -25,11 +25,6 @@
 namespace sluice {
 namespace {
 
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
 // Quantized activations of M rows, owning their storage.
 // NOTE(uninit-act): the buffers are allocated uninitialized (new T[n], not std::vector<T>(n)):
 // quantize_rows writes every element, and a vector's zero-fill ran on the calling thread
@@ -40,7 +35,7 @@ struct ActBuf {
   std::unique_ptr<int32_t[]> i;  // xs | xs16
   ActQ a{};
 
-  ActBuf(const float* x, int64_t M, int64_t K, int64_t ldx)
+  ActBuf(const float* x, int64_t M, int64_t K, int64_t ldx, int path)
       : q(new int8_t[M * K]), f(new float[M * (K / kBlock) * 4]), i(new int32_t[M * (K / kBlock) * 3]) {
     const int64_t KB = K / kBlock;
     float* dx = f.get();
@@ -48,15 +43,7 @@ struct ActBuf {
     float* dxs16 = dxs + M * KB;
     int32_t* xs = i.get();
     int32_t* xs16 = xs + M * KB;
-    static const bool avx2 = cpu_has_avx2();
-    auto body = [&](int64_t b, int64_t e) {
-      quantize_rows(x + b * ldx, e - b, K, ldx, q.get() + b * K, dx + b * KB, dxs + b * KB, dxs16 + 2 * b * KB,
-                    xs + b * KB, xs16 + 2 * b * KB, avx2);
-    };
-    if (M * K >= 65536)
-      sluice::parallel_for(0, M, 1, body);
-    else
-      body(0, M);
+    quantize_rows_parallel(x, M, K, ldx, q.get(), dx, dxs, dxs16, xs, xs16, act_quant_isa(path));
     a = ActQ{q.get(), dx, dxs, dxs16, xs, xs16, K};
   }
 };
@@ -148,7 +135,7 @@ class QLinearOp {
         run_dense(p, x, M, ldx, out, ldo, pb, resid, ldr);
         continue;
       }
-      if (!act) act = std::make_unique<ActBuf>(x, M, in_, ldx);
+      if (!act) act = std::make_unique<ActBuf>(x, M, in_, ldx, p.path_for(M));
       const int64_t NT = (p.n + kTile - 1) / kTile;
       WPack w{p.data.data_ptr<uint8_t>(), p.scale.data_ptr(), p.mins.data_ptr(), p.n, in_, NT, in_ / kBlock,
               in_ / p.G, (int)p.G, (int)p.mode, p.scale.scalar_type() == at::kHalf};
@@ -227,10 +214,12 @@ void rope_qk_rows(float* op, int64_t T, int64_t ld, const int64_t* pos, const fl
       rope_row(op + t * ld + num_heads * head_dim, num_kv_heads, head_dim, c, s);  // k
     }
   };
-  if (T >= 16)
-    sluice::parallel_for(0, T, 8, body);
-  else
-    body(0, T);
+  // NOTE(small-grains): the row-local steps between two GEMMs (rmsnorm, rope, SiLU, the
+  // activations' quantization) run on the pool from two rows on.  Each reads what the
+  // GEMM before it wrote from both cores; one thread alone waits on the other core's
+  // cache, and the other thread spins meanwhile (a 12-token prefill step spent ~30% of
+  // its time with one thread idle, perf, a 2-core Zen 4).
+  sluice::parallel_for(0, T, 2, body);
 }
 
 void check_rope_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,

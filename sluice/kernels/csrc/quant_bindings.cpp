@@ -30,38 +30,27 @@ std::vector<std::string> cpu_features() {
   return f;
 }
 
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
 void check_path(int64_t path) {
   TORCH_CHECK(sluice::path_supported((int)path), "kernel path ", path, " is not supported by this CPU");
 }
 
 // (q int8 (M,K), dx (M,K/32), dxs (M,K/32), dxs16 (M,K/16), xs int32 (M,K/32), xs16 int32 (M,K/16))
-std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, bool use_avx2) {
+// isa: 0 scalar, 1 AVX2, 2 AVX-512 (capped by what this CPU has; every one gives the same bits)
+std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: (M, K) float32, rows contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % sluice::kBlock == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 scalar, 1 avx2, 2 avx512, got ", isa);
   const int64_t KB = K / sluice::kBlock;
   auto fopt = torch::TensorOptions().dtype(torch::kFloat);
   auto iopt = torch::TensorOptions().dtype(torch::kInt);
   auto q = torch::empty({M, K}, torch::TensorOptions().dtype(torch::kChar));
   auto dx = torch::empty({M, KB}, fopt), dxs = torch::empty({M, KB}, fopt), dxs16 = torch::empty({M, 2 * KB}, fopt);
   auto xs = torch::empty({M, KB}, iopt), xs16 = torch::empty({M, 2 * KB}, iopt);
-  const bool avx2 = use_avx2 && has_avx2();
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  auto body = [&](int64_t b, int64_t e) {
-    sluice::quantize_rows(xp + b * ldx, e - b, K, ldx, q.data_ptr<int8_t>() + b * K, dx.data_ptr<float>() + b * KB,
-                          dxs.data_ptr<float>() + b * KB, dxs16.data_ptr<float>() + 2 * b * KB,
-                          xs.data_ptr<int32_t>() + b * KB, xs16.data_ptr<int32_t>() + 2 * b * KB, avx2);
-  };
-  if (M * K >= 32768)
-    sluice::parallel_for(0, M, 1, body);
-  else
-    body(0, M);
+  const int best = sluice::act_quant_isa(sluice::kAvx512Vnni);
+  sluice::quantize_rows_parallel(x.data_ptr<float>(), M, K, x.stride(0), q.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                                 dxs.data_ptr<float>(), dxs16.data_ptr<float>(), xs.data_ptr<int32_t>(),
+                                 xs16.data_ptr<int32_t>(), (int)std::min<int64_t>(isa, best));
   return {q, dx, dxs, dxs16, xs, xs16};
 }
 
