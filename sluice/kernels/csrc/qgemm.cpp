@@ -505,7 +505,7 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
   // NOTE(m-blocking): rows are taken 64 at a time so their quantized activations
   // stay in L1/L2 while a thread sweeps its tiles (weights stream once per block).
   constexpr int64_t kRowBlock = 64, kTileGroup = 8;
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * std::min<int64_t>(M, kRowBlock)));
+  const int64_t grain = gemm_grain(w.KB, M);  // NOTE(gemm-grain) in qgemm.h
   sluice::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float res[kMaxRows * kTile];
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {

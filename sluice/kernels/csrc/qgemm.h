@@ -64,6 +64,17 @@ constexpr int kBlock = 32;
 
 inline int64_t block_bytes(int mode) { return mode == kW4 ? 256 : 512; }
 
+// NOTE(gemm-grain): the fewest tiles of output channels one thread takes, so that a
+// chunk holds at least 256 (block x row) products.  It was 2048: at one row that put
+// the whole qkv, o_proj and down GEMMs of a SmolLM2 layer (60, 36 and 36 tiles, 18 or
+// 48 blocks each) on one thread while the other spun, and a lone token's step read
+// its weights at ~23 GB/s.  A chunk is still 64 KiB of weights or more at one row
+// (a pool dispatch costs ~1 us), and at 8 rows and up the grain is one tile as before.
+inline int64_t gemm_grain(int64_t KB, int64_t rows) {
+  const int64_t per_tile = KB * (rows < 1 ? 1 : rows > 64 ? 64 : rows);
+  return per_tile >= 256 ? 1 : 256 / per_tile;
+}
+
 // Quantize rows of x (M, K), K % 32 == 0, into the ActQ arrays (caller-allocated).
 // isa: 0 scalar, 1 AVX2, 2 AVX-512 (every one gives the same bits); act_quant_isa(path)
 // is the best this CPU has for a kernel path (0 for the scalar path, so it stays scalar).

@@ -206,7 +206,7 @@ void run_gemm_amx(const ActQ& a, int64_t M, const WPack& w, const StoreFn& store
   const AmxFn fn = pick_amx(w);
   const bool split = w.G == 16;
   constexpr int64_t kRowBlock = 64, kTileGroup = 8;
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, w.KB * std::min<int64_t>(M, kRowBlock)));
+  const int64_t grain = gemm_grain(w.KB, M);  // NOTE(gemm-grain) in qgemm.h
   sluice::parallel_for(0, w.NT, grain, [&](int64_t t0, int64_t t1) {
     Scratch s;
     alignas(64) float res[kAmxRows * kTile];
