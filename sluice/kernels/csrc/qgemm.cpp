@@ -393,10 +393,10 @@ QUANT_ROWS(quant_rows_avx512, TGT_AVX512, quant_block_avx512)
 #undef QUANT_ROWS
 
 int act_quant_isa(int path) {
-  if (path == kScalar) return 0;
   static const bool zmm = path_supported(kAvx512Vnni);
   static const bool ymm = path_supported(kAvx2);
-  return zmm ? 2 : ymm ? 1 : 0;
+  if (path == kScalar || !ymm) return 0;
+  return (path == kAvx512Vnni || path == kAmx) && zmm ? 2 : 1;  // a forced AVX2 path stays AVX2 throughout
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
@@ -409,10 +409,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
     quant_rows_scalar(x, M, K, ldx, q, dx, dxs, dxs16, xs, xs16);
 }
 
-// NOTE(act-quant-parallel): rows on the pool from two rows on.  A serial quantization
-// was ~12% of a 12-token prefill step (perf, a 2-core Zen 4): its input was just
-// written by both threads (the GEMM before it splits the columns), so one thread
-// alone waited on the other core's cache for half of every row.
+// NOTE(act-quant-parallel): rows on the pool from two rows on (NOTE(small-grains) in
+// qlinear_op.cpp).  perf put ~12% of a 12-token prefill step's samples on the serial
+// quantization (a 2-core Zen 4); the step gained 3-5% (docs/kernels.md): its input was
+// just written by both threads (the GEMM before it splits the columns), and reading
+// the other core's half is paid in parallel too.
 void quantize_rows_parallel(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,
                             float* dxs16, int32_t* xs, int32_t* xs16, int isa) {
   const int64_t KB = K / kBlock;

@@ -77,7 +77,8 @@ inline int64_t gemm_grain(int64_t KB, int64_t rows) {
 
 // Quantize rows of x (M, K), K % 32 == 0, into the ActQ arrays (caller-allocated).
 // isa: 0 scalar, 1 AVX2, 2 AVX-512 (every one gives the same bits); act_quant_isa(path)
-// is the best this CPU has for a kernel path (0 for the scalar path, so it stays scalar).
+// is the one a kernel path uses (scalar, AVX2 for the ymm paths, AVX-512 for the zmm and
+// AMX ones), capped by what this CPU has.
 // quantize_rows_parallel: the same, its rows on the work pool from two rows on.
 int act_quant_isa(int path);
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* dx, float* dxs,

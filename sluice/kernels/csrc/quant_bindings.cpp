@@ -47,10 +47,10 @@ std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, int64_t isa) {
   auto q = torch::empty({M, K}, torch::TensorOptions().dtype(torch::kChar));
   auto dx = torch::empty({M, KB}, fopt), dxs = torch::empty({M, KB}, fopt), dxs16 = torch::empty({M, 2 * KB}, fopt);
   auto xs = torch::empty({M, KB}, iopt), xs16 = torch::empty({M, 2 * KB}, iopt);
-  const int best = sluice::act_quant_isa(sluice::kAvx512Vnni);
+  const int path = isa == 0 ? sluice::kScalar : isa == 1 ? sluice::kAvx2 : sluice::kAvx512Vnni;
   sluice::quantize_rows_parallel(x.data_ptr<float>(), M, K, x.stride(0), q.data_ptr<int8_t>(), dx.data_ptr<float>(),
                                  dxs.data_ptr<float>(), dxs16.data_ptr<float>(), xs.data_ptr<int32_t>(),
-                                 xs16.data_ptr<int32_t>(), (int)std::min<int64_t>(isa, best));
+                                 xs16.data_ptr<int32_t>(), sluice::act_quant_isa(path));
   return {q, dx, dxs, dxs16, xs, xs16};
 }
 
