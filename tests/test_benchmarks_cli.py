@@ -621,3 +621,25 @@ def test_overload_repeat_runs_a_neighbour_during_each_run_only(monkeypatch: pyte
         assert none is None, "duty 0: no neighbour"
     with pytest.raises(argparse.ArgumentTypeError):
         overload_repeat._duty("1.0")
+
+
+# ---------------------------------------------------------------- long_context
+
+
+def test_long_context_keeps_each_cases_best_round_and_compares_with_the_base() -> None:
+    from benchmarks import long_context as lc
+
+    rounds = [{"1 x 2048": [14.0, 9.0], "2 x 2048": [19.0, 14.0]}, {"1 x 2048": [12.0, 7.5], "2 x 2048": [20.0, 13.0]}]
+    best = lc.best_of(rounds)
+    assert best == {"1 x 2048": [12.0, 7.5], "2 x 2048": [19.0, 14.0]}, "the fastest step's round, attention with it"
+    rows = lc.table_rows(best, {"1 x 2048": [15.0, 10.0], "2 x 2048": [19.0, 14.5]})
+    assert rows[0] == ["1 x 2048", "12.00", "7.50", "62%", "15.00", "10.00", "0.80x"]
+    assert rows[1][-1] == "1.00x" and len(lc.table_rows(best, None)[0]) == 4
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--base", "/nonexistent"], "not a sluice checkout"),
+                                               (["--rounds", "0"], "at least 1")])  # fmt: skip
+def test_long_context_refuses_bad_arguments_in_one_line(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), *args, "--no-write"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -189,3 +189,70 @@ def test_a_slot_outside_the_cache_is_a_clear_error_not_a_stray_write() -> None:
     backend.set_metadata(meta)
     with pytest.raises(RuntimeError, match="outside the cache"):
         backend(0, q, k, v)
+
+
+def _rows(kv: KVCache, rows: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences of (context, new tokens), each on its own blocks (scattered, in reverse), their earlier K/V
+    written with the sequence's own seed: a row's inputs are the same whatever batch it is in."""
+    tables, qs, ks, vs, slots = [], [], [], [], []
+    free = list(range(kv.k[0].shape[0]))[::-1]
+    for ctx, ql in rows:
+        g = torch.Generator().manual_seed(seed * 1000 + ctx * 7 + ql)
+        table = [free.pop() for _ in range((ctx + 15) // 16)]
+        tables.append(table)
+        n = ctx - ql
+        if n:
+            old = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n)])
+            kv.write(0, old, (torch.randn(n, HKV, D, generator=g) * 3).to(dtype), torch.randn(n, HKV, D, generator=g).to(dtype))
+        slots += [table[p // 16] * 16 + p % 16 for p in range(n, ctx)]
+        qs.append(torch.randn(ql, H, D, generator=g).to(dtype))
+        ks.append(torch.randn(ql, HKV, D, generator=g).to(dtype))
+        vs.append(torch.randn(ql, HKV, D, generator=g).to(dtype))
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    qsl = [0]
+    for _, ql in rows:
+        qsl.append(qsl[-1] + ql)
+    ctxs = [c for c, _ in rows]
+    meta = AttentionMetadata(torch.tensor(slots), qsl, ctxs, bt, [len(t) for t in tables],
+                             torch.tensor(qsl, dtype=torch.int32), torch.tensor(ctxs, dtype=torch.int32))
+    return meta, torch.cat(qs), torch.cat(ks), torch.cat(vs)
+
+
+def _attend(cls: type, kv_dtype: str, dtype: torch.dtype, rows: list[tuple[int, int]]) -> list[torch.Tensor]:
+    kv = KVCache(resolve_kv_format(kv_dtype, dtype), 1, 400, HKV, D)
+    meta, q, k, v = _rows(kv, rows, dtype)
+    backend = cls(kv, D**-0.5)
+    backend.set_metadata(meta)
+    out = backend(0, q, k, v)
+    return list(out.split([ql for _, ql in rows]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_longer_than_a_key_segment_match_the_reference(kv_dtype: str, dtype: torch.dtype) -> None:
+    # NOTE(key-segments): rows of more than 512 keys are cut into segments merged afterwards:
+    # decodes of 513, 1100 and 2048 keys, a prefill chunk crossing 512 and 1024, a short decode
+    rows = [(513, 1), (1100, 1), (2048, 1), (1030, 40), (37, 1)]
+    ref, got = _attend(TorchAttention, kv_dtype, dtype, rows), _attend(CpuPagedAttention, kv_dtype, dtype, rows)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, (a, b) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol, msg=lambda m, i=i: f"row {rows[i]}: {m}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_a_row_gives_the_same_bits_alone_and_beside_long_rows(kv_dtype: str) -> None:
+    # batch invariance across the two ways of running the kernel (a batch with a row over 512 keys
+    # goes through the segment work list, one without does not): a row's bits depend on it alone
+    long_rows, short_rows = [(1100, 1), (2048, 1), (1030, 40)], [(37, 1), (512, 1), (300, 12)]
+    together = _attend(CpuPagedAttention, kv_dtype, torch.float32, long_rows + short_rows)
+    for i, row in enumerate(long_rows + short_rows):
+        alone = _attend(CpuPagedAttention, kv_dtype, torch.float32, [row])[0]
+        assert torch.equal(alone, together[i]), f"row {row} differs alone and in the batch"
+    shorts = _attend(CpuPagedAttention, kv_dtype, torch.float32, short_rows)
+    for i, row in enumerate(short_rows):
+        assert torch.equal(shorts[i], together[len(long_rows) + i]), f"row {row}: short batch against a long one"
