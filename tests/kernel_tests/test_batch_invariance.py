@@ -49,9 +49,10 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=g).tolist()
 
 
-def check_invariance(model: str, quantization: str, monkeypatch: pytest.MonkeyPatch, path: str, **kw: Any) -> None:
+def check_invariance(model: str, quantization: str, monkeypatch: pytest.MonkeyPatch, path: str, length: int = 45,
+                     **kw: Any) -> None:  # fmt: skip
     monkeypatch.setenv("SLUICE_KERNEL_PATH", path)
-    target = ("r", prompt(0, 45), 0)
+    target = ("r", prompt(0, length), 0)
     alone = EngineCore(EngineConfig(model=model, quantization=quantization, kv_cache_memory=8 << 20,
                                     max_num_batched_tokens=64, **kw))  # fmt: skip
     assert alone.model_info.kernel_path == path, "the forced kernel path is the one in use"
@@ -76,3 +77,9 @@ def test_tiny_int4_model_is_batch_invariant(tiny_llama_dir: Path, monkeypatch: p
 @pytest.mark.parametrize("path", PATHS)
 def test_smollm2_native_gguf_is_batch_invariant(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     check_invariance("smollm2", "auto", monkeypatch, path)
+
+
+def test_a_prompt_longer_than_a_key_segment_is_batch_invariant(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE(key-segments): rows past 512 keys are cut into segments; chunked at 64 or at 23
+    # tokens a step, among neighbours, the 600-token prompt's rows are cut at the same keys
+    check_invariance(str(tiny_llama_dir), "int4", monkeypatch, PATHS[0], length=600, quant_fallback="none")

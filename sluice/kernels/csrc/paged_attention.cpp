@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -348,9 +349,10 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
       }
     }
   }
-  std::vector<float> part((size_t)(slots * (H / Hkv) * (D + 2)));
+  // uninitialized: every slot is written before the merge reads it (a 2048-token prefill chunk has ~9 MB of them)
+  std::unique_ptr<float[]> part(slots > 0 ? new float[slots * (H / Hkv) * (D + 2)] : nullptr);
   a.work = cut ? work.data() : nullptr;
-  a.part = part.data();
+  a.part = part.get();
   const int64_t items = cut ? (int64_t)work.size() / 4 : T * Hkv;
   sluice::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
   if (!merges.empty())
