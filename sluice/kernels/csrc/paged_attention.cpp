@@ -112,6 +112,23 @@ static inline __attribute__((always_inline)) void prefetch_block(const Args<scal
     }
 }
 
+// The keys row t attends to (causal): its sequence's context before this step's tokens,
+// then this step's tokens up to itself.
+template <typename scalar_t, typename kv_t>
+static inline __attribute__((always_inline)) int64_t causal_keys(const Args<scalar_t, kv_t>& a, int64_t t) {
+  const int32_t s = a.seq_of[t];
+  return (int64_t)a.sl[s] - (a.qsl[s + 1] - a.qsl[s]) + (t - a.qsl[s]) + 1;
+}
+
+// Query head h of row t: the V sum over the softmax's sum.
+template <typename scalar_t, typename kv_t>
+static inline __attribute__((always_inline)) void store_head(const Args<scalar_t, kv_t>& a, int64_t t, int64_t h,
+                                                             const float* acc, float l) {
+  scalar_t* orow = a.out + (t * a.H + h) * a.D;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int64_t d = 0; d < a.D; ++d) orow[d] = (scalar_t)(acc[d] * inv);
+}
+
 // One work item = one query token x one KV head: the `group` query heads that
 // share that KV head are done together, so each K/V row is read once per item.
 // For each block of keys: scores, an online-softmax update, then the V sum.
@@ -129,8 +146,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
     const int64_t t = w ? w[0] : item / Hkv, hk = w ? w[1] : item % Hkv;
     const int32_t s = a.seq_of[t];
     if (a.skip[s]) continue;
-    const int64_t ql = a.qsl[s + 1] - a.qsl[s];
-    const int64_t row_keys = a.sl[s] - ql + (t - a.qsl[s]) + 1;  // causal
+    const int64_t row_keys = causal_keys(a, t);
     const int64_t k0 = w ? w[2] : 0, slot = w ? w[3] : -1;     // this item's keys: [k0, n_keys)
     const int64_t n_keys = slot < 0 ? row_keys : std::min<int64_t>(row_keys, k0 + kSegKeys);
     for (int64_t g = 0; g < G; ++g) {
@@ -166,7 +182,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
             const int32_t* w2 = a.work != nullptr ? a.work + 4 * it : nullptr;
             const int64_t t2 = w2 ? w2[0] : it / Hkv;
             const int32_t s2 = a.seq_of[t2];
-            const int64_t n2 = a.sl[s2] - (a.qsl[s2 + 1] - a.qsl[s2]) + (t2 - a.qsl[s2]) + 1;
+            const int64_t n2 = causal_keys(a, t2);
             ahead += w2 ? w2[2] / BS : 0;  // the next item's first block (its segment's)
             if (!a.skip[s2] && t2 == a.qsl[s2] && ahead * BS < n2) {
               tab = a.bt + s2 * a.MB;
@@ -259,11 +275,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
       }
       continue;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      scalar_t* orow = a.out + (t * a.H + hk * G + g) * D;
-      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-      for (int64_t d = 0; d < D; ++d) orow[d] = (scalar_t)(acc[g][d] * inv);
-    }
+    for (int64_t g = 0; g < G; ++g) store_head(a, t, hk * G + g, acc[g], l[g]);
   }
 }
 
@@ -284,9 +296,7 @@ static void merge_segments(const Args<scalar_t, kv_t>& a, int64_t t, int64_t hk,
       l += pp[1] * f;
       for (int64_t d = 0; d < D; ++d) acc[d] += pp[2 + d] * f;
     }
-    scalar_t* orow = a.out + (t * a.H + hk * G + g) * D;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int64_t d = 0; d < D; ++d) orow[d] = (scalar_t)(acc[d] * inv);
+    store_head(a, t, hk * G + g, acc, l);
   }
 }
 
@@ -331,17 +341,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
   std::vector<int32_t> work;
   std::vector<int64_t> merges;  // (t, hk, first slot, segments) of each cut row
   int64_t slots = 0;
-  const int32_t* slp = sl.data_ptr<int32_t>();
-  const uint8_t* skp = skip.data_ptr<uint8_t>();
-  auto row_keys = [&](int64_t t) {
-    const int32_t s = seq_of[t];
-    return (int64_t)slp[s] - (qslp[s + 1] - qslp[s]) + (t - qslp[s]) + 1;
-  };
   bool cut = false;
-  for (int64_t t = 0; t < T && !cut; ++t) cut = !skp[seq_of[t]] && row_keys(t) > kSegKeys;
+  for (int64_t t = 0; t < T && !cut; ++t) cut = !a.skip[seq_of[t]] && causal_keys(a, t) > kSegKeys;
   if (cut) {
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t n = skp[seq_of[t]] ? 1 : (row_keys(t) + kSegKeys - 1) / kSegKeys;
+      const int64_t n = a.skip[seq_of[t]] ? 1 : (causal_keys(a, t) + kSegKeys - 1) / kSegKeys;
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         if (n > 1) merges.insert(merges.end(), {t, hk, slots, n});
         for (int64_t i = 0; i < n; ++i)
