@@ -167,8 +167,7 @@ def quantize_activations(x: torch.Tensor, path: Path = Path.AVX2) -> ActQ:
 
     The path picks the instructions: scalar, AVX2 (the ymm paths) or AVX-512 (the zmm
     and AMX paths), each capped by what this CPU has (NOTE(act-quant-zmm) in qgemm.cpp)."""
-    isa = 0 if path == Path.SCALAR else 2 if path in (Path.AVX512VNNI, Path.AMX) else 1
-    return kernel_module().quantize_act(x, isa)  # type: ignore[no-any-return]
+    return kernel_module().quantize_act(x, int(path))  # type: ignore[no-any-return]
 
 
 def gemm(

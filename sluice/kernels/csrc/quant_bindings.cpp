@@ -35,22 +35,22 @@ void check_path(int64_t path) {
 }
 
 // (q int8 (M,K), dx (M,K/32), dxs (M,K/32), dxs16 (M,K/16), xs int32 (M,K/32), xs16 int32 (M,K/16))
-// isa: 0 scalar, 1 AVX2, 2 AVX-512 (capped by what this CPU has; every one gives the same bits)
-std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, int64_t isa) {
+// path: the kernel path whose instructions quantize (act_quant_isa: scalar, AVX2 for the ymm
+// paths, AVX-512 for the zmm and AMX ones, capped by this CPU; every one gives the same bits)
+std::vector<torch::Tensor> quantize_act(const torch::Tensor& x, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: (M, K) float32, rows contiguous");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % sluice::kBlock == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 scalar, 1 avx2, 2 avx512, got ", isa);
+  TORCH_CHECK(path >= sluice::kScalar && path <= sluice::kAmx, "kernel path ", path, " does not exist");
   const int64_t KB = K / sluice::kBlock;
   auto fopt = torch::TensorOptions().dtype(torch::kFloat);
   auto iopt = torch::TensorOptions().dtype(torch::kInt);
   auto q = torch::empty({M, K}, torch::TensorOptions().dtype(torch::kChar));
   auto dx = torch::empty({M, KB}, fopt), dxs = torch::empty({M, KB}, fopt), dxs16 = torch::empty({M, 2 * KB}, fopt);
   auto xs = torch::empty({M, KB}, iopt), xs16 = torch::empty({M, 2 * KB}, iopt);
-  const int path = isa == 0 ? sluice::kScalar : isa == 1 ? sluice::kAvx2 : sluice::kAvx512Vnni;
   sluice::quantize_rows_parallel(x.data_ptr<float>(), M, K, x.stride(0), q.data_ptr<int8_t>(), dx.data_ptr<float>(),
                                  dxs.data_ptr<float>(), dxs16.data_ptr<float>(), xs.data_ptr<int32_t>(),
-                                 xs16.data_ptr<int32_t>(), sluice::act_quant_isa(path));
+                                 xs16.data_ptr<int32_t>(), sluice::act_quant_isa((int)path));
   return {q, dx, dxs, dxs16, xs, xs16};
 }
 
