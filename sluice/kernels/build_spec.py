@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["EXTENSIONS", "CSRC", "SOURCE_HASH_MACRO", "source_hash"]
+__all__ = ["EXTENSIONS", "CSRC", "SOURCE_HASH_MACRO", "SOURCE_HASH_PATTERN", "source_hash"]
 
 CSRC = "sluice/kernels/csrc"
 
@@ -39,6 +39,7 @@ EXTENSIONS: dict[str, tuple[str, list[str], list[str]]] = {
 }
 
 SOURCE_HASH_MACRO = "SLUICE_SOURCE_HASH"  # csrc/build_info.h binds it as the module's source_hash()
+SOURCE_HASH_PATTERN = rb"sh_[0-9a-f]{16}"  # what source_hash() returns, as found in a built module's bytes
 
 
 def source_hash(name: str, csrc: str | Path = CSRC) -> str:

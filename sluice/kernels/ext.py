@@ -27,7 +27,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sluice.kernels.build_spec import EXTENSIONS, SOURCE_HASH_MACRO, source_hash
+from sluice.kernels.build_spec import (
+    EXTENSIONS,
+    SOURCE_HASH_MACRO,
+    SOURCE_HASH_PATTERN,
+    source_hash,
+)
 
 __all__ = ["load", "status", "set_work_pool", "work_pool_threads", "KernelUnavailableError", "csrc_dir"]
 
@@ -90,7 +95,7 @@ def _built_digests(module: str) -> list[str]:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise ImportError(f"No module named {module!r}")
-    return [m.decode() for m in re.findall(rb"sh_[0-9a-f]{16}", Path(spec.origin).read_bytes())]
+    return [m.decode() for m in re.findall(SOURCE_HASH_PATTERN, Path(spec.origin).read_bytes())]
 
 
 def _stale_reason(name: str, module: str) -> str | None:

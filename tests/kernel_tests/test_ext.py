@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sluice.kernels import ext
-from sluice.kernels.build_spec import EXTENSIONS, source_hash
+from sluice.kernels.build_spec import EXTENSIONS, SOURCE_HASH_PATTERN, source_hash
 
 
 def test_install_time_builds_are_the_ones_loaded() -> None:
@@ -127,6 +128,7 @@ def test_the_digest_changes_with_any_header_or_flag(tmp_path: Path, monkeypatch:
     shutil.copytree(ext.csrc_dir(), csrc)
     before = {name: source_hash(name, csrc) for name in EXTENSIONS}
     assert before == {name: source_hash(name, ext.csrc_dir()) for name in EXTENSIONS}, "the path is not hashed"
+    assert all(re.fullmatch(SOURCE_HASH_PATTERN, d.encode()) for d in before.values()), "what ext finds in a build"
     with (csrc / "work_pool.h").open("a") as f:  # a header every extension includes
         f.write("\n// edited\n")
     assert all(source_hash(name, csrc) != before[name] for name in EXTENSIONS)
