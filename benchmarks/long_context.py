@@ -37,23 +37,13 @@ def measure_here(steps: int = 15) -> dict[str, list[float]]:
     """{"<rows> x <keys>": [step ms, attention ms]} for the sluice this process imports."""
     import torch
 
+    from benchmarks._step_profile import _Timer
     from sluice.engine.config import EngineConfig
     from sluice.engine.core import EngineCore
     from sluice.engine.protocol import EngineRequest, SamplingParams
 
     core = EngineCore(EngineConfig(model="smollm2", max_num_seqs=8, max_model_len=4608, kv_cache_memory=1 << 30))
-    backend = next(v for v in vars(core.runner).values() if hasattr(v, "attend_qkv"))
-    spent = [0.0]
-    inner = backend.attend_qkv
-
-    def timed(*a: object, **kw: object) -> object:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **kw)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    backend.attend_qkv = timed
+    attention = _Timer(core.runner.attention, "attend_qkv")  # what the fused layers call
     gen = torch.Generator().manual_seed(0)
     out: dict[str, list[float]] = {}
     for n, (rows, keys) in enumerate(CASES):
@@ -65,12 +55,12 @@ def measure_here(steps: int = 15) -> dict[str, list[float]]:
         while core.make_stats().num_decoding < rows:
             core.step()
         core.step()
-        times, spent[0] = [], 0.0
+        times, attention.seconds = [], 0.0
         for _ in range(steps):
             t0 = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t0)
-        out[f"{rows} x {keys}"] = [1e3 * statistics.median(times), 1e3 * spent[0] / steps]
+        out[f"{rows} x {keys}"] = [1e3 * statistics.median(times), 1e3 * attention.seconds / steps]
         while core.has_unfinished_requests():
             core.step()
     return out
