@@ -44,17 +44,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows", [7, 32])  # 32: full tiles of 16 rows (NOTE(amx-acc-regs)); 7: a partial one
 @pytest.mark.parametrize("n,k,bits,g,z,with_min,fp16", CASES)
-def test_every_path_matches_the_reference_and_each_other(n, k, bits, g, z, with_min, fp16) -> None:  # type: ignore[no-untyped-def]
+def test_every_path_matches_the_reference_and_each_other(n, k, bits, g, z, with_min, fp16, rows) -> None:  # type: ignore[no-untyped-def]
     qw = rand_qweight(n, k, bits, g, z, with_min, fp16_scales=fp16)
     pw = ql.pack(qw)
     assert pw.scale.dtype == (torch.float16 if fp16 else torch.float32), "fp16 scales are kept when exact"
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     ref = reference(x, qw)
     xq = ql.quantize_activations(x)
     outs = {}
     for p in PATHS:
-        out = torch.empty(7, n)
+        out = torch.empty(rows, n)
         ql.gemm(xq, pw, out, path=p)
         outs[p] = out
         err = (out.double() - ref).abs().max() / ref.abs().max()

@@ -62,12 +62,15 @@ TGT_AVX512 inline __attribute__((always_inline)) void zmm_epilogue(const ActQ& a
   // stores might have aliased them); and the group of block kb without a 64-bit
   // division when the group is one block (G = 32, every GGUF format), ~20 cycles
   // a call.  The float operations and their order are unchanged.
+  // The row loops are unrolled whole (a constant R: tile_zmm<R>, and the AMX path's full
+  // tiles) so that acc[] can live in registers (NOTE(amx-acc-regs) in qgemm_amx.cpp).
   const float* __restrict__ dxr = a.dx + m0 * KB + kb;
   const float* __restrict__ dxsr = a.dxs + m0 * KB + kb;
   if (w.G != 16) {
     const int64_t g = w.G == kBlock ? kb : kb * kBlock / w.G;
     const __m512 d = load16<F16>(w.scale, sidx(w, tile, g));
     const __m512 mn = load16<F16>(w.mins, sidx(w, tile, g));
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(dxr[r * KB]));
       __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), ddx, acc[r]);
@@ -80,6 +83,7 @@ TGT_AVX512 inline __attribute__((always_inline)) void zmm_epilogue(const ActQ& a
     const __m512 n0 = load16<F16>(w.mins, sidx(w, tile, 2 * kb));
     const __m512 n1 = load16<F16>(w.mins, sidx(w, tile, 2 * kb + 1));
     const float* __restrict__ dxs16r = a.dxs16 + m0 * 2 * KB + 2 * kb;
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 dx = _mm512_set1_ps(dxr[r * KB]);
       __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dx), acc[r]);
