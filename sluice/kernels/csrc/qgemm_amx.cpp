@@ -114,31 +114,26 @@ struct Scratch {
 };
 
 // R (<= 16) rows x one tile of 16 channels -> res (R x 16), with the matching configuration loaded.
-// NOTE(amx-acc-regs): RC = 16 is a full tile of rows, known at compile time: the
-// accumulators are then a local array the compiler keeps in zmm registers over the
-// whole K loop, instead of loading and storing res around every block's epilogue
-// (16 of the ~40 stores a block).  Same float operations in the same order: the same bits.
+// NOTE(amx-acc-regs): the accumulators are a local array, stored to res once at the end.
+// For a full tile of 16 rows, RC = 16 makes the row count a compile-time constant: the
+// epilogue's row loops then unroll whole and the compiler keeps acc[] in zmm registers over
+// the whole K loop, instead of loading and storing it around every block's epilogue (16 of
+// the ~40 stores a block).  RC = 0: a partial tile, R rows at run time.  Same float
+// operations in the same order either way: the same bits.
 template <int MODE, bool F16, int RC>
 TGT_AMX void tile_amx_rows(const ActQ& a, int64_t m0, int R_, const WPack& w, int64_t tile, float* res, Scratch& s) {
   const int R = RC ? RC : R_;
-  __m512 acc_regs[RC ? RC : 1];
-  __m512* acc = RC ? acc_regs : reinterpret_cast<__m512*>(res);
+  __m512 acc[kAmxRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  auto store_res = [&]() TGT_AMX {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kTile, acc[r]);
+  };
   constexpr int64_t bb = MODE == kW4 ? 256 : 512;
   const int64_t K = a.K, KB = w.KB;
   const uint8_t* wt = w.data + tile * KB * bb;
   const int8_t* xq = a.q + m0 * K;
-  if constexpr (RC != 0) {
-#pragma GCC unroll 16
-    for (int r = 0; r < RC; ++r) acc_regs[r] = _mm512_setzero_ps();
-  } else {
-    std::memset(res, 0, sizeof(float) * R * kTile);
-  }
-  auto store_res = [&]() TGT_AMX {
-    if constexpr (RC != 0) {
-#pragma GCC unroll 16
-      for (int r = 0; r < RC; ++r) _mm512_storeu_ps(res + r * kTile, acc_regs[r]);
-    }
-  };
   auto bptr = [&](int64_t kb, int buf) TGT_AMX -> const uint8_t* {
     if constexpr (MODE == kW4) {
       unpack_w4(wt + kb * bb, s.b[buf]);
