@@ -1,9 +1,10 @@
-"""Decode steps at long contexts with few sequences: where one row's attention is most of a step.
+"""Decode steps at long contexts: where attention is most of a step.
 
     python benchmarks/long_context.py                        # this checkout
     python benchmarks/long_context.py --base /path/to/other  # and another checkout, alternating rounds
 
-One or two sequences of random token ids with 512 to 4096 keys, in-process
+One or two sequences of random token ids with 512 to 4096 keys, 16 of 512 and
+64 of 128 keys, in-process
 ``EngineCore`` on SmolLM2 as shipped, greedy: the median decode step and the
 part of it spent in the attention backend (``attend_qkv`` timed), per case.
 With few sequences the paged-attention kernel has few work items (one per
@@ -30,7 +31,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("SLUICE_BENCH_TREE", str(_ROOT)))  # the child imports the tree it measures
 
-CASES = [(1, 512), (1, 2048), (1, 4096), (2, 2048)]  # (sequences, keys)
+CASES = [(1, 512), (1, 2048), (1, 4096), (2, 2048), (16, 512), (64, 128)]  # (sequences, keys)
 
 
 def measure_here(steps: int = 15) -> dict[str, list[float]]:
@@ -42,7 +43,7 @@ def measure_here(steps: int = 15) -> dict[str, list[float]]:
     from sluice.engine.core import EngineCore
     from sluice.engine.protocol import EngineRequest, SamplingParams
 
-    core = EngineCore(EngineConfig(model="smollm2", max_num_seqs=8, max_model_len=4608, kv_cache_memory=1 << 30))
+    core = EngineCore(EngineConfig(model="smollm2", max_num_seqs=64, max_model_len=4608, kv_cache_memory=1 << 30))
     attention = _Timer(core.runner.attention, "attend_qkv")  # what the fused layers call
     gen = torch.Generator().manual_seed(0)
     out: dict[str, list[float]] = {}

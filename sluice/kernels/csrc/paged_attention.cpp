@@ -15,7 +15,10 @@
 // core, 32 decodes x 160 keys, SmolLM2's heads: 440 -> 280 us a layer), and
 // the rows of the blocks two ahead are prefetched (a 30-layer cache far larger
 // than the CPU caches: 800 -> 710 us a layer on one core for fp32, 645 -> 390
-// for int8).  Built at install time (setup.py) without
+// for int8), one key row at a time (NOTE(prefetch-spread)).  Float32 queries
+// with head dims of 16, 64 and 128 run on 16-float vectors (NOTE(attn-simd)),
+// the rest on the generic loops (each variant is compiled for every cache dtype
+// and ISA clone: fewer of them keep the build short).  Built at install time (setup.py) without
 // -march=native: the row loop is compiled once per ISA (target_clones) and the
 // best clone is picked when the library loads.
 #include <torch/extension.h>
@@ -99,17 +102,30 @@ constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxDim = 256;    // head_dim
 constexpr int kMaxBlock = 64;   // block_size
 
+// NOTE(prefetch-spread): the head's rows in the block kPrefetchBlocks ahead are requested
+// one key row at a time, beside the work on the block being read, not all at once: a
+// burst of a block's 128 line requests (16 rows x 4 lines x K and V, a 64-dim fp32 head)
+// fills the core's line-fill buffers, and each request after that waits for a free one.
+struct Prefetch {
+  const char* k = nullptr;  // the head's row 0 in the block ahead; nullptr: nothing to request
+  const char* v = nullptr;
+  int64_t stride = 0, row_bytes = 0;
+};
+
+static inline __attribute__((always_inline)) void prefetch_row(const Prefetch& p, int64_t j) {
+  if (p.k == nullptr) return;
+  for (int64_t c = 0; c < p.row_bytes; c += 64) {
+    __builtin_prefetch(p.k + j * p.stride + c);
+    __builtin_prefetch(p.v + j * p.stride + c);
+  }
+}
+
 template <typename scalar_t, typename kv_t>
-static inline __attribute__((always_inline)) void prefetch_block(const Args<scalar_t, kv_t>& a, int64_t blk,
-                                                                 int64_t hk) {
-  const char* kn = reinterpret_cast<const char*>(a.k + blk * a.kv_block + hk * a.D);
-  const char* vn = reinterpret_cast<const char*>(a.v + blk * a.kv_block + hk * a.D);
-  const int64_t row_bytes = a.D * (int64_t)sizeof(kv_t), stride = a.kv_row * (int64_t)sizeof(kv_t);
-  for (int64_t j = 0; j < a.BS; ++j)
-    for (int64_t c = 0; c < row_bytes; c += 64) {
-      __builtin_prefetch(kn + j * stride + c);
-      __builtin_prefetch(vn + j * stride + c);
-    }
+static inline __attribute__((always_inline)) Prefetch prefetch_target(const Args<scalar_t, kv_t>& a, int64_t blk,
+                                                                     int64_t hk) {
+  return Prefetch{reinterpret_cast<const char*>(a.k + blk * a.kv_block + hk * a.D),
+                  reinterpret_cast<const char*>(a.v + blk * a.kv_block + hk * a.D),
+                  a.kv_row * (int64_t)sizeof(kv_t), a.D * (int64_t)sizeof(kv_t)};
 }
 
 // The keys row t attends to (causal): its sequence's context before this step's tokens,
@@ -129,16 +145,110 @@ static inline __attribute__((always_inline)) void store_head(const Args<scalar_t
   for (int64_t d = 0; d < a.D; ++d) orow[d] = (scalar_t)(acc[d] * inv);
 }
 
+// NOTE(attn-simd): the same item for head_dim = 16 x DV (16, 64, 128; float32 queries), written
+// on 16-float vectors with the item's query heads and their V sums held in registers.
+// The generic loops below leave the compiler a dot product per (head, key), each
+// ending in a horizontal sum, and keep the V sums in memory: on the 2-core Sapphire
+// Rapids a 64-row x 66-key SmolLM2 layer took 147 us with its K/V in the caches, ~66
+// GFLOP/s.  Here a block's 16 keys are scored together: each key's 16 partial sums
+// per head are reduced into one vector of the block's 16 scores by a transposing tree
+// (15 adds per head and block instead of 16 horizontal sums), the softmax runs on
+// that vector, and the V sums take each value row once for every head of the group.
+// The order of each head's operations depends only on its own keys (batch
+// invariance), as in the generic loops; the bits differ from theirs.
+static inline __attribute__((always_inline)) v16 sum_lanes_of_16(const v16* p) {
+  v16 r1[8], r2[4], r3[2];
+  for (int i = 0; i < 8; ++i)  // keys 2i, 2i+1: 8 partial sums each
+    r1[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // keys 4i..4i+3: 4 each
+    r2[i] = __builtin_shufflevector(r1[2 * i], r1[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(r1[2 * i], r1[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // keys 8i..8i+7: 2 each
+    r3[i] = __builtin_shufflevector(r2[2 * i], r2[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+            __builtin_shufflevector(r2[2 * i], r2[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(r3[0], r3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(r3[0], r3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+static inline __attribute__((always_inline)) v16 load16(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+// One block of keys (nb <= 16 rows at krows / vrows, row_stride floats apart) for the G
+// query heads of one item: scores, online-softmax update, V sums (q already scaled).
+template <int DV>
+static inline __attribute__((always_inline)) void attend_block_simd(const float (*qf)[kMaxDim], float (*accf)[kMaxDim],
+                                                                     float* m, float* l, int64_t G,
+                                                                     const float* krows, const float* vrows,
+                                                                     int64_t row_stride, int64_t nb,
+                                                                     const Prefetch& pf, int64_t BS) {
+  v16 q[kMaxGroup][DV], acc[kMaxGroup][DV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) {
+      q[g][c] = load16(qf[g] + 16 * c);
+      acc[g][c] = load16(accf[g] + 16 * c);
+    }
+  for (int64_t j0 = 0; j0 < nb; j0 += 16) {  // a block of up to 64 keys: 16 at a time
+    const int64_t n = std::min<int64_t>(16, nb - j0);
+    alignas(64) float e[kMaxGroup][16];
+    for (int64_t g = 0; g < G; ++g) {
+      v16 part[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j < n) {
+          const float* kr = krows + (j0 + j) * row_stride;
+          v16 p = q[g][0] * load16(kr);
+          for (int c = 1; c < DV; ++c) p += q[g][c] * load16(kr + 16 * c);
+          part[j] = p;
+        } else {
+          part[j] = v16{};
+        }
+      }
+      const v16 sc = sum_lanes_of_16(part);
+      float bm = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sc[j]);
+      const float m_new = std::max(m[g], bm);
+      const float corr = std::exp(m[g] - m_new);
+      // all 16 lanes at once (one vector exp), the lanes past the block's keys then zeroed
+      std::memcpy(e[g], &sc, sizeof sc);
+      float* eg = e[g];
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) eg[j] = std::exp(eg[j] - m_new);
+      for (int64_t j = n; j < 16; ++j) eg[j] = 0.f;
+      float lsum = 0.f;
+      for (int j = 0; j < 16; ++j) lsum += e[g][j];
+      l[g] = l[g] * corr + lsum;
+      m[g] = m_new;
+      for (int c = 0; c < DV; ++c) acc[g][c] *= corr;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch_row(pf, j0 + j);  // NOTE(prefetch-spread): one row of the block ahead per value row
+      const float* vr = vrows + (j0 + j) * row_stride;
+      v16 v[DV];
+      for (int c = 0; c < DV; ++c) v[c] = load16(vr + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = e[g][j];
+        for (int c = 0; c < DV; ++c) acc[g][c] += p * v[c];
+      }
+    }
+    for (int64_t j = j0 + n; j < std::min<int64_t>(j0 + 16, BS); ++j) prefetch_row(pf, j);  // a short block: the rest
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < DV; ++c) std::memcpy(accf[g] + 16 * c, &acc[g][c], sizeof(v16));
+}
+
 // One work item = one query token x one KV head: the `group` query heads that
 // share that KV head are done together, so each K/V row is read once per item.
 // For each block of keys: scores, an online-softmax update, then the V sum.
 // The reduction order depends only on the item's own keys, never on the batch
 // or on how its prompt was chunked (batch invariance).
-template <typename scalar_t, typename kv_t>
+template <int DV, typename scalar_t, typename kv_t>
 static inline __attribute__((always_inline)) void attend_items(const Args<scalar_t, kv_t>& a, int64_t begin,
                                                                int64_t end) {
   const int64_t D = a.D, BS = a.BS, G = a.group, Hkv = a.H / a.group;
-  float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], sc[kMaxGroup][kMaxBlock];
+  alignas(64) float qf[kMaxGroup][kMaxDim], acc[kMaxGroup][kMaxDim], sc[kMaxGroup][kMaxBlock];
   float kf[kMaxBlock][kMaxDim], vf[kMaxBlock][kMaxDim];
   float m[kMaxGroup], l[kMaxGroup];
   for (int64_t item = begin; item < end; ++item) {
@@ -170,6 +280,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
       // into the next item's first blocks.
       // Only a sequence's first query token of the step prefetches: the tokens
       // after it (a prefill chunk) read the same blocks, by then in the cache.
+      Prefetch pf;
       if (t == a.qsl[s]) {
         int64_t ahead = start / BS + kPrefetchBlocks, it = item, hk2 = hk;
         const int32_t* tab = table;
@@ -190,7 +301,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
             }
           }
         }
-        if (tab != nullptr) prefetch_block(a, tab[ahead], hk2);
+        if (tab != nullptr) pf = prefetch_target(a, tab[ahead], hk2);
       }
       // NOTE(kv-load): a float32 cache is read in place; other dtypes are converted
       // to float scratch first, block by block (a quantized one: code * its row's
@@ -224,9 +335,15 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
         vrows = &vf[0][0];
         row_stride = kMaxDim;
       }
+      if constexpr (DV > 0) {  // NOTE(attn-simd)
+        attend_block_simd<DV>(qf, acc, m, l, G, krows, vrows, row_stride, nb, pf, BS);
+        continue;
+      }
+      for (int64_t j = nb; j < BS; ++j) prefetch_row(pf, j);  // a short block: the rows the loop below skips
       for (int64_t g = 0; g < G; ++g) {
         float bm = -INFINITY;
         for (int64_t j = 0; j < nb; ++j) {
+          if (g == 0) prefetch_row(pf, j);  // NOTE(prefetch-spread)
           float dot = 0.f;
           const float* kr = krows + j * row_stride;
           for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kr[d];
@@ -305,7 +422,13 @@ static void merge_segments(const Args<scalar_t, kv_t>& a, int64_t t, int64_t hk,
 #define SLUICE_ATTEND(NAME, QT, KVT)                                                       \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void NAME( \
       const Args<QT, KVT>& a, int64_t b, int64_t e) {                                     \
-    attend_items(a, b, e);                                                                 \
+    if constexpr (std::is_same_v<QT, float>) switch (a.D) { /* NOTE(attn-simd) */              \
+        case 16: return attend_items<1>(a, b, e);                                          \
+        case 64: return attend_items<4>(a, b, e);                                          \
+        case 128: return attend_items<8>(a, b, e);                                         \
+        default: break;                                                                    \
+      }                                                                                    \
+    attend_items<0>(a, b, e);                                                              \
   }                                                                                        \
   void attend(const Args<QT, KVT>& a, int64_t b, int64_t e) { NAME(a, b, e); }
 
