@@ -233,8 +233,8 @@ static inline __attribute__((always_inline)) void attend_block_simd(const float 
         for (int c = 0; c < DV; ++c) acc[g][c] += p * v[c];
       }
     }
-    for (int64_t j = j0 + n; j < std::min<int64_t>(j0 + 16, BS); ++j) prefetch_row(pf, j);  // a short block: the rest
   }
+  for (int64_t j = nb; j < BS; ++j) prefetch_row(pf, j);  // a short block: the rows the loops above skipped
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < DV; ++c) std::memcpy(accf[g] + 16 * c, &acc[g][c], sizeof(v16));
 }
