@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_block_simd(const float 
                                                                      float* m, float* l, int64_t G,
                                                                      const float* krows, const float* vrows,
                                                                      int64_t row_stride, int64_t nb,
-                                                                     const Prefetch& pf, int64_t BS) {
+                                                                     const Prefetch& pf) {
   v16 q[kMaxGroup][DV], acc[kMaxGroup][DV];
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < DV; ++c) {
@@ -234,7 +234,6 @@ static inline __attribute__((always_inline)) void attend_block_simd(const float 
       }
     }
   }
-  for (int64_t j = nb; j < BS; ++j) prefetch_row(pf, j);  // a short block: the rows the loops above skipped
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < DV; ++c) std::memcpy(accf[g] + 16 * c, &acc[g][c], sizeof(v16));
 }
@@ -335,11 +334,11 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
         vrows = &vf[0][0];
         row_stride = kMaxDim;
       }
+      for (int64_t j = nb; j < BS; ++j) prefetch_row(pf, j);  // a short block: the rows the loops below skip
       if constexpr (DV > 0) {  // NOTE(attn-simd)
-        attend_block_simd<DV>(qf, acc, m, l, G, krows, vrows, row_stride, nb, pf, BS);
+        attend_block_simd<DV>(qf, acc, m, l, G, krows, vrows, row_stride, nb, pf);
         continue;
       }
-      for (int64_t j = nb; j < BS; ++j) prefetch_row(pf, j);  // a short block: the rows the loop below skips
       for (int64_t g = 0; g < G; ++g) {
         float bm = -INFINITY;
         for (int64_t j = 0; j < nb; ++j) {
