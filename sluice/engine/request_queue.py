@@ -16,10 +16,11 @@ NOTE(wfq): start-time fair queuing.  Each class keeps a virtual time that
 advances by ``tokens / weight`` when it is served; the eligible class with the
 smallest virtual time goes next (ties to the more urgent class), so with P0
 and P1 both backlogged P1 receives 3/5 of P0's prefill tokens.  The system
-virtual time is the tag of the class served last; a class that was idle is
-lifted to it when it becomes eligible again, so it banks no credit for its
-idle time, and a class that arrives while another is mid-prefill is not
-made to wait behind it.
+virtual time is the start tag of the class served last; a class whose own
+tag lags it (it was idle, or blocked) starts from it when next served, so it
+banks no credit for that time, and a class that arrives while another is
+mid-prefill is not made to wait behind it.  Only service moves the tags
+(NOTE(served-only)).
 """
 
 from __future__ import annotations
@@ -95,21 +96,19 @@ class RequestQueue(ABC):
     def peek(self) -> Request | None:
         """The waiting request this policy would admit next, were no prefill running."""
         heads = [None if not q else q[0].timings.arrival for q in self._qs]
-        choice = self.pick_class(heads, [False] * len(heads), dry_run=True)
+        choice = self.pick_class(heads, [False] * len(heads))
         return None if choice is None else self._qs[choice.priority][0]
 
     # ------------------------------------------------------------ the policy
 
     @abstractmethod
-    def pick_class(
-        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
-    ) -> ClassChoice | None:
+    def pick_class(self, oldest: Sequence[float | None], behind: Sequence[bool]) -> ClassChoice | None:
         """The class to give prefill tokens next.
 
         ``oldest[c]``: arrival time of class c's oldest pending prefill work, None
         when it has none (or is blocked this step); ``behind[c]``: class c's
-        oldest pending request has used much of its TTFT target.
-        ``dry_run``: change no policy state.
+        oldest pending request has used much of its TTFT target.  Changes no
+        policy state: only ``charge`` does (NOTE(served-only)).
         """
 
     def charge(self, priority: int, num_tokens: int) -> None:  # noqa: B027 (optional hook)
@@ -117,9 +116,7 @@ class RequestQueue(ABC):
 
 
 class FCFSQueue(RequestQueue):
-    def pick_class(
-        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
-    ) -> ClassChoice | None:
+    def pick_class(self, oldest: Sequence[float | None], behind: Sequence[bool]) -> ClassChoice | None:
         best: int | None = None
         for c, t in enumerate(oldest):
             if t is not None and (best is None or t < oldest[best]):  # type: ignore[operator]
@@ -130,9 +127,7 @@ class FCFSQueue(RequestQueue):
 class PriorityQueue(RequestQueue):
     """Strict priority: P0 before P1 before P2."""
 
-    def pick_class(
-        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
-    ) -> ClassChoice | None:
+    def pick_class(self, oldest: Sequence[float | None], behind: Sequence[bool]) -> ClassChoice | None:
         c = next((c for c, t in enumerate(oldest) if t is not None), None)
         return None if c is None else ClassChoice(c, True)
 
@@ -144,25 +139,32 @@ class WFQQueue(RequestQueue):
         self.vtime = [0.0 for _ in Priority]
         self.system_vtime = 0.0  # the start tag of the class served last
 
-    def pick_class(
-        self, oldest: Sequence[float | None], behind: Sequence[bool], *, dry_run: bool = False
-    ) -> ClassChoice | None:
+    def pick_class(self, oldest: Sequence[float | None], behind: Sequence[bool]) -> ClassChoice | None:
         eligible = [c for c, t in enumerate(oldest) if t is not None]
         if not eligible:
             return None
         # NOTE(behind-first): a class that is behind its TTFT target is served
         # before fairness: the most urgent behind class first.
         late = [c for c in eligible if behind[c]]
-        tags = [max(self.vtime[c], self.system_vtime) for c in range(len(self.vtime))]
-        best = late[0] if late else min(eligible, key=lambda c: (tags[c], c))
-        if not dry_run:
-            for c in eligible:  # idle classes re-enter at the system virtual time
-                self.vtime[c] = tags[c]
-            self.system_vtime = tags[best]
+        best = late[0] if late else min(eligible, key=lambda c: (self._start_tag(c), c))
         return ClassChoice(best, True)
 
+    def _start_tag(self, c: int) -> float:
+        """Class ``c``'s tag were it served now: its own, or the system virtual time if that is later."""
+        return max(self.vtime[c], self.system_vtime)
+
     def charge(self, priority: int, num_tokens: int) -> None:
-        self.vtime[priority] += num_tokens / self.weights[Priority(priority)]
+        # NOTE(served-only): the tags move when a class is served, never when it is only picked.
+        # A pick may find no slot or no blocks (NOTE(hol) in the scheduler); had the pick moved
+        # the system virtual time, a backlogged class the slot-bound picks passed over would be
+        # lifted to the tag of the class picked after it, lose every tie to it, and never be
+        # served: with 4 slots and P1 backlogged, P2 got no slot for 200 waves.
+        if num_tokens > 0:
+            start = self._start_tag(priority)
+            self.system_vtime = start
+            self.vtime[priority] = start + num_tokens / self.weights[Priority(priority)]
+        else:  # a refund (its request preempted in the step that served it): no new start
+            self.vtime[priority] += num_tokens / self.weights[Priority(priority)]
 
 
 def make_request_queue(policy: str | SchedulingPolicy) -> RequestQueue:

@@ -17,8 +17,9 @@ A higher class takes what it needs from running requests of *strictly lower*
 classes, lowest class and newest first:
 
     slots    a waiting request with every ``max_num_seqs`` slot taken preempts one
-             (lower classes leave the higher ones' recent peak free: NOTE(trunk-reservation))
-    blocks   a waiting request whose first chunk does not fit preempts until it does
+             (lower classes leave the higher ones' recent peak free: NOTE(trunk-reservation));
+             P0 always, a class with a TTFT target once it is behind it (NOTE(take-when-needed))
+    blocks   a waiting request whose first chunk does not fit preempts until it does (the same)
     budget   a class facing an exhausted budget un-schedules lower classes'
              decodes for this step (``priority`` and ``wfq``; not ``fcfs``)
 
@@ -218,6 +219,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(victim)
         step.out.preempted.append(victim)
+
+    def _may_take_from_lower(self, req: Request, now: float) -> bool:
+        """Whether ``req`` may preempt running requests of lower classes for a slot or blocks.
+
+        NOTE(take-when-needed): P0 always may (its slots are kept free for it,
+        NOTE(trunk-reservation), so it preempts only past its recent peak), and so
+        may a request with no TTFT target (class order is all it has).  A P1
+        with a target takes from P2 only once it is behind it (NOTE(behind)):
+        until then a slot that frees goes by the WFQ shares, as the issue's
+        "WFQ shares apply among classes that are all within target" asks.
+        Taking earlier throws the victim's work away for a request that could
+        wait, and under a sustained P1 backlog it made WFQ's share for P2 an
+        illusion: each P2 that got its turn was preempted by the next P1, over
+        and over (612 preemptions in one run of 4 slots), and the P2s behind it
+        never started.
+        """
+        return req.priority == Priority.P0 or req.ttft_target <= 0.0 or self._is_behind(req, now)
 
     def _lower_victim(self, priority: int) -> Request | None:
         """The running request to preempt for a request of class ``priority``: lowest class, newest, strictly lower."""
@@ -474,7 +492,8 @@ class Scheduler:
         num_memory_tokens = len(cached) * bm.block_size
         num_cached_tokens = num_memory_tokens + len(tier) * bm.block_size
         need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
-        lower = [r for r in self.running if r.priority > req.priority] if not step.nested else []
+        takes = not step.nested and self._may_take_from_lower(req, step.now)
+        lower = [r for r in self.running if r.priority > req.priority] if takes else []
         limit = self.seq_limit_for(req.priority)
         holders = len(self.running) + len(self.loading)
         # P0's own holders sit in the slots kept for it: a lower class's limit counts the other classes only
@@ -489,12 +508,12 @@ class Scheduler:
         # less than copying its blocks out and back (no swap space), and the
         # victim's full blocks stay in the prefix cache until evicted.
         if holders - reserved >= limit or holders >= self.max_num_seqs:  # one slot, even when the limit fell below the running count
-            victim = self._lower_victim(req.priority)
+            victim = self._lower_victim(req.priority) if takes else None
             if victim is None:
                 return False
             self._preempt(victim, step)
         while not bm.can_allocate(req, num_cached_tokens + n, cached):
-            victim = self._lower_victim(req.priority) if not step.nested else None
+            victim = self._lower_victim(req.priority) if takes else None
             if victim is None:
                 return False
             self._preempt(victim, step)

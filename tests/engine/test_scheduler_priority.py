@@ -152,6 +152,47 @@ def test_a_class_behind_its_target_goes_before_wfq_shares() -> None:
     assert first_served(1.5) == "p1", "1 s into a 1.5 s target is behind: P1 goes first"
 
 
+def test_wfq_shares_one_slot_between_backlogged_p1_and_p2() -> None:
+    """NOTE(served-only) in the request queue: with one slot and P1 and P2 both backlogged, the slot
+    goes by WFQ (3:1 in prefill tokens), not to P1 alone.  When a pick that found no slot moved the
+    system virtual time, P2 was lifted to P1's tag at every such pick and lost every tie: all 40 P1s
+    started before the first P2."""
+    clock = FakeClock(100.0)
+    sched = create_scheduler(max_num_seqs=1, max_num_batched_tokens=64, policy="wfq", clock=clock)
+    for i in range(40):
+        for p in (Priority.P1, Priority.P2):  # targets far away: no class is ever behind
+            sched.add_request(make_request(f"{p.label}-{i}", p, num_tokens=16, max_tokens=4, arrival=100.0,
+                                           ttft_target=1000.0))  # fmt: skip
+    starts: list[int] = []
+    for _ in range(200):
+        out = sched.schedule()
+        starts += [int(s.request.priority) for s in out.scheduled if s.is_prefill]
+        apply(sched, out)
+        clock.now += 0.01
+    first = starts[:20]
+    assert 4 <= first.count(2) <= 6, f"P2 should get ~1/4 of the slot's starts while both wait: {first}"
+    assert sched.num_preemptions == 0, "a P1 within its target takes no slot from a running P2"
+
+
+def test_a_p1_takes_a_running_p2s_slot_only_once_behind_its_target_or_with_none() -> None:
+    """NOTE(take-when-needed): P0 always preempts a lower class for a slot; a P1 with a TTFT target
+    only once it is behind (half its target used), and a P1 with no target at once (class order)."""
+
+    def preempted_after(p1_target: float, waited: float) -> list[str]:
+        clock = FakeClock(100.0)
+        sched = create_scheduler(max_num_seqs=1, max_num_batched_tokens=64, clock=clock)
+        sched.add_request(make_request("p2", Priority.P2, max_tokens=50))
+        apply(sched, sched.schedule())
+        sched.add_request(make_request("p1", Priority.P1, arrival=100.0, ttft_target=p1_target))
+        clock.now += waited
+        out = sched.schedule()
+        return [v.request_id for v in out.preempted]
+
+    assert preempted_after(10.0, 1.0) == [], "1 s into a 10 s target: the P1 waits for the slot"
+    assert preempted_after(10.0, 6.0) == ["p2"], "6 s into it the P1 is behind: it takes the slot"
+    assert preempted_after(0.0, 0.0) == ["p2"], "no target: class order, at once"
+
+
 def test_preempted_request_resumes_and_finishes() -> None:
     sched = create_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
     p2 = make_request("p2", Priority.P2, max_tokens=5)
