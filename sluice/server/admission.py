@@ -164,6 +164,7 @@ OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
 DRAIN_MIN_BACKLOG_S = 1.0  # weighted seconds of backlog before a class's drain rate counts (NOTE(class-drain))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
+GPS_ITERATIONS = 6  # predictions a wfq wait may take to settle (NOTE(gps-arrivals))
 P0_MISS_WEIGHT = 0.02  # weight of one P0 start in the share of admitted P0s that missed (NOTE(p0-margin))
 P0_MISS_HIGH = 0.10  # over this share of misses P0's predictions grow ...
 P0_MISS_LOW = 0.04  # ... under this one they shrink back
@@ -329,18 +330,23 @@ class AdmissionController:
         engine's capacity, requests' worth of work done per second with work in the engine
         (NOTE(work-rate); 0 while unmeasured), at most ``MAX_HIGHER_LOAD``.  With express steps in
         ``load``, P0's share is the engine time its own steps take instead (NOTE(express-share))."""
+        return min(MAX_HIGHER_LOAD, sum(self._higher_shares(priority, load)[0]))
+
+    def _higher_shares(self, priority: int, load: EngineLoad | None) -> tuple[list[float], list[float]]:
+        """The classes above ``priority``: each one's share of the engine (``higher_load`` sums them)
+        and its admitted arrival rate in requests a second; empty while unmeasured."""
         now = self._clock()
         busy = self._busy.read(now)
         # a request's work: its prompt's prefill and a decode for each generated token after the first
         done = self._tokens.read(now) / max(1.0, self.mean_prompt_tokens + self.mean_output_tokens - 1.0)
-        if done <= 0.0 or busy <= 0.0 or self._busy_since is None:
-            return 0.0
+        if done <= 0.0 or busy <= 0.0 or self._busy_since is None or priority == Priority.P0:
+            return [], []
         # the share of each average's weight the time since the first stats covers: the 5-s averages
         # (done, busy, the arrivals) start low together; the 1-s one fills five times faster
         age = max(0.0, now - self._busy_since)
         observed = 1.0 - math.exp(-age / RATE_WINDOW_S)
         if observed <= 0.0:
-            return 0.0
+            return [], []
         # ... or since a busy period began, NOTE(surge-onset)
         if self._fast_since <= self._busy_since:
             observed_fast = 1.0 - math.exp(-age / FAST_RATE_WINDOW_S)
@@ -351,14 +357,13 @@ class AdmissionController:
         lam = [max(self._admitted[k].read(now), self._admitted_fast[k].read(now) * observed / observed_fast)
                for k in range(int(priority))]  # fmt: skip
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
-        express = 0.0
-        if lam and load is not None and load.express_budget > 0:  # NOTE(express-share)
+        shares = [x / done * utilization for x in lam]
+        if load is not None and load.express_budget > 0:  # NOTE(express-share)
             # a P0's prefill in an express step of its own, then a decode row a token in the normal steps
             p0 = load.step_time(0, 1) + load.step_time_per_token * self.mean_prompt_tokens
             p0 += max(0.0, self.mean_output_tokens - 1.0) * (load.step_time_per_token + load.step_time_per_seq)
-            express = lam[0] / observed * p0
-            lam[0] = 0.0
-        return min(MAX_HIGHER_LOAD, express + sum(lam) / done * utilization)
+            shares[0] = lam[0] / observed * p0
+        return shares, [x / observed for x in lam]
 
     def drain_wait(self, priority: int, load: EngineLoad | None = None) -> float:
         """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0.
@@ -387,10 +392,55 @@ class AdmissionController:
         """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the
         higher classes' arrivals while it waits (NOTE(higher-arrivals)), and no less than its
         class's queue takes to drain (NOTE(class-drain))."""
-        model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority, load))
+        if self.policy == "wfq" and priority > Priority.P1:
+            model = self._predict_gps(load, priority, num_prompt_tokens)
+        else:
+            model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority, load))
         if priority == Priority.P0:
             model *= self.p0_margin  # NOTE(p0-margin)
         return max(model, self.drain_wait(priority, load))
+
+    def _predict_gps(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
+        """``predict``'s model for a class with a class other than P0 above it, under ``wfq``.
+
+        NOTE(gps-arrivals): P0 goes before fairness (its tight targets make it
+        behind at once, NOTE(behind-first) in the request queue; its express
+        steps and reserved slots are its own), so its share of the engine
+        stretches the wait as under strict priority (NOTE(higher-arrivals)).
+        The classes between P0 and this one share with it by their WFQ
+        weights: what they are sent while it waits joins their backlog, and
+        the queue model lets them go first only up to their weight's share
+        of this class's own work (prefill tokens, and slot starts for a
+        class waiting for a slot: ``predict_ttft`` under ``wfq``).  So their
+        arrivals over the predicted wait are added to the load, and the
+        prediction is taken again until the wait settles (the shares cap it).
+        Stretching by their share as well counted their backlog twice, once
+        in the queue and once in the stretch: on the prediction protocol's
+        waves P2 was predicted at 2-4x what it got once WFQ shared the slots.
+        The arrivals pay the queue model's costs, though, where the stretch
+        charges their measured share of the engine's work; while those classes
+        are not backlogged their shares do not bind, and the queue model's
+        slot costs (a slot limit it holds constant) overstated the wait by up
+        to 1.5x.  So the prediction is the smaller of the two: the strict
+        stretch bounds it (WFQ never gives a class less than strict priority
+        does), the shares tighten it where they bind (docs/benchmarks.md, "TTFT
+        prediction error").
+        """
+        base = predict_ttft(load, priority, num_prompt_tokens)
+        strict = base / (1.0 - self.higher_load(priority, load))
+        shares, rates = self._higher_shares(priority, load)
+        stretch = 1.0 / (1.0 - min(MAX_HIGHER_LOAD, shares[0] if shares else 0.0))
+        wait = base * stretch
+        added: list[int] = [0] * len(rates)
+        for _ in range(GPS_ITERATIONS):
+            more = [round(rates[k] * wait) if k > 0 else 0 for k in range(len(rates))]
+            if more == added:
+                break
+            later = [(n, round(n * self.mean_prompt_tokens)) for n in more] + [(0, 0)] * (len(Priority) - len(more))
+            added, wait = more, predict_ttft(load, priority, num_prompt_tokens, later) * stretch
+            if wait >= strict:
+                break
+        return min(wait, strict)
 
     def load(self) -> EngineLoad:
         """The engine's last stats plus the queued requests sent after them."""

@@ -48,6 +48,7 @@ prediction error").
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import re
@@ -202,6 +203,23 @@ def _seq_limit(load: EngineLoad, c: int) -> int:
     return limit
 
 
+def _slots_ahead(load: EngineLoad, c: int) -> int:
+    """Waiting requests that take a slot before a new class-``c`` one: its own class's (FIFO) and those of the
+    classes above it that share its slots (``_slot_classes``).
+
+    NOTE(wfq-slots): under ``wfq`` the queue hands the slots that free out by the
+    classes' weights (NOTE(served-only) in the request queue), so a class above
+    goes first only for its weight's share: ``w_k / w_c`` starts for each of this
+    class's own, the new request included.  Under ``priority`` every one of them
+    goes first, and ``fcfs`` is taken as the same (a bound: it ignores their order).
+    """
+    waiting = load.num_waiting_by_priority
+    if load.policy != "wfq" or c == 0:
+        return sum(waiting[_slot_classes(c)])
+    own, wc = waiting[c], PRIORITY_WEIGHTS[Priority(c)]
+    return own + sum(min(waiting[k], math.ceil((own + 1) * PRIORITY_WEIGHTS[Priority(k)] / wc)) for k in range(1, c))
+
+
 def _slot_wait_steps(load: EngineLoad, c: int, limit: int, max_ahead: int = 4096) -> float:
     """Steps until a new class-``c`` request gets a slot: the slots' free times, simulated.
 
@@ -225,7 +243,7 @@ def _slot_wait_steps(load: EngineLoad, c: int, limit: int, max_ahead: int = 4096
     heapq.heapify(times)
     for _ in range(len(times) - limit):  # over the limit (it fell): those slots do not come back
         heapq.heappop(times)
-    ahead = sum(load.num_waiting_by_priority[_slot_classes(c)])
+    ahead = _slots_ahead(load, c)
     hold = load.slot_hold_steps
     for _ in range(min(ahead, max_ahead)):
         heapq.heappush(times, heapq.heappop(times) + hold)
@@ -251,10 +269,25 @@ def _tokens_served_first(load: EngineLoad, priority: int, own: float) -> float:
     return total
 
 
-def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
-    """Predicted seconds from now to the first token of a new request (pure; 0 until the engine is measured)."""
+def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int,
+                 later: Sequence[tuple[int, int]] | None = None) -> float:  # fmt: skip
+    """Predicted seconds from now to the first token of a new request (pure; 0 until the engine is measured).
+
+    ``later``: (requests, prompt tokens) per class that arrive while it waits and go first as far as the
+    policy lets them (the admission's NOTE(gps-arrivals)); the step in flight does not hold them.
+    """
     if not load.is_measured:
         return 0.0
+    running = sum(load.num_running_by_priority)
+    current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)),
+                             running)  # fmt: skip
+    if later:
+        load = dataclasses.replace(
+            load,
+            num_waiting_by_priority=[w + n for w, (n, _) in zip(load.num_waiting_by_priority, later, strict=True)],
+            num_prefill_tokens_by_priority=[t + k for t, (_, k) in zip(load.num_prefill_tokens_by_priority, later,
+                                                                        strict=True)],
+        )  # fmt: skip
     c = int(priority)
     own = float(load.num_prefill_tokens_by_priority[c] + num_prompt_tokens)
     # NOTE(lower-decodes): a lower class's decodes give their step tokens to this
@@ -276,7 +309,7 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
         prefill_bound = steps * load.step_time(decodes, decodes + 1) + load.step_time_per_token * served
     # slots: running and queued requests of this class and higher ones come first
     classes = _slot_classes(c)
-    holders = sum(load.num_running_by_priority[classes]) + sum(load.num_waiting_by_priority[classes])
+    holders = sum(load.num_running_by_priority[classes]) + _slots_ahead(load, c)
     limit = _seq_limit(load, c)
     short = holders + 1 - limit
     slot_bound = 0.0
@@ -298,9 +331,6 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int) -> flo
             prefill = min(per_step, sum(load.num_prefill_tokens_by_priority[: c + 1]) / wait_steps)
             step = load.step_time(min(float(load.max_num_batched_tokens), rows + prefill), rows)
             slot_bound = wait_steps * step + unloaded_ttft(load, num_prompt_tokens + decodes) + load.step_time_per_seq * decodes
-    running = sum(load.num_running_by_priority)
-    current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)),
-                             running)  # fmt: skip
     if c == Priority.P0 and load.express_budget > 0 and load.express_mid_step and slot_bound == 0.0:
         # NOTE(mid-step-express) in the engine: a P0 with a free slot does not wait for the running
         # step, only for the engine's next look at its input (between two layers)

@@ -16,7 +16,7 @@ import pytest
 
 from sluice.errors import OverloadedError
 from sluice.http_errors import retry_after_header
-from sluice.server import admission
+from sluice.server import admission, slo
 from sluice.server.slo import MID_STEP_WAIT_S, EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
 from tests.server.conftest import until
@@ -431,3 +431,42 @@ async def test_a_started_request_preempted_and_not_resumed_is_shed_not_left_to_h
         text = (await c.get("/metrics")).text
     assert 'sluice_admission_rejected_total{priority="p2",reason="expired"} 1.0' in text
     assert 'sluice_admission_rejected_total{priority="p1",reason="expired"}' not in text
+
+
+def test_under_wfq_a_class_above_goes_first_for_its_weight_share_of_the_slots_only() -> None:
+    # NOTE(wfq-slots): 30 P1 and 2 P2 wait for a slot; a new P2 waits for its 2 and, by the weights 3:1,
+    # for 3 P1 starts per P2 start (itself included): 9 P1, not 30
+    load = EngineLoad.from_stats(stats(num_running_by_priority=[0, 4, 0], num_decoding=4, max_num_seqs=4,
+                                       num_waiting_by_priority=[0, 30, 2], num_prefill_tokens_by_priority=[0, 300, 20]),
+                                 policy="wfq", mean_output_tokens=20, max_num_batched_tokens=512, max_num_seqs=4)  # fmt: skip
+    assert slo._slots_ahead(load, Priority.P2) == 2 + 9
+    assert slo._slots_ahead(load, Priority.P1) == 30, "P1's own class only"
+    wfq = predict_ttft(load, Priority.P2, 10)
+    load.policy = "priority"
+    assert slo._slots_ahead(load, Priority.P2) == 32, "strict priority: every P1 first"
+    assert predict_ttft(load, Priority.P2, 10) > 2 * wfq
+
+
+def test_under_wfq_arrivals_of_a_class_above_p1_count_up_to_their_weight_share() -> None:
+    # NOTE(gps-arrivals): P1 admitted at 60 req/s on an engine that does 80 requests' work a second: 3/4 of it.
+    # Strict priority stretches a P2's queue wait (one 10-token prefill step: 10 ms + 10 ms, plus half the
+    # 10-ms step in flight) by 1 / (1 - 0.75).  Under WFQ the P1s arriving while it waits go first for 3x its own
+    # 10 tokens only: 30 tokens (the cap binds once it waits 50 ms), so it waits 10 + 40 + 5 ms
+    def p2_prediction(policy: str) -> tuple[float, float]:
+        clock = FakeClock()
+        a = controller("p0=1s,p1=2s,p2=5s", clock, policy=policy)
+        for i in range(600):  # 30 s
+            for k in range(3):
+                a.admit(f"p1-{i}-{k}", Priority.P1, 26, 10)
+                a.remove(f"p1-{i}-{k}")
+            for _ in range(4):
+                a.observe_output_tokens(16)
+            clock.now += 0.05
+            a.observe_stats(ran(4, num_running=3))
+        load = a.load()
+        return a.predict(load, Priority.P2, 10), predict_ttft(load, Priority.P2, 10)
+
+    strict, base = p2_prediction("priority")
+    assert base == pytest.approx(0.025) and strict == pytest.approx(base / 0.25, rel=0.05)
+    gps, _ = p2_prediction("wfq")
+    assert gps == pytest.approx(0.055, rel=0.05), "P1's arrivals up to 3x the P2's own prefill"
