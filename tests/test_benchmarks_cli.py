@@ -553,11 +553,12 @@ def test_sparse_p0_runs_a_p2_alone_phase_before_each_p0_rate_and_tabulates_them(
 def test_prediction_error_table_shows_the_backlog_and_the_share_within() -> None:
     from benchmarks import prediction_error
 
-    run = {"gap": 30, "seed": 2, "backlog": [0, 1, 5], "within": 20, "total": 32, "median_error": 0.5,
+    backlog = [0, 1, 5, 9, 12, 14, 18, 20, 23, 27]  # ten waves sent: the table shows the first eight
+    run = {"gap": 30, "seed": 2, "backlog": backlog, "within": 20, "total": 32, "median_error": 0.5,
            "measured_ttft_p50_s": 0.264, "step_time_s": 0.0348, "step_base_s": 0.00397, "step_per_token_s": 481e-6}  # fmt: skip
     rows = prediction_error.table([run]).splitlines()
-    assert "not started at each wave" in rows[0]
-    assert rows[2] == "| 30 | 2 | 0 1 5 | 20/32 | 50% | 264 | 34.8 | 3.97 / 481 |", rows
+    assert "not started at waves 1-8" in rows[0] and "waves sent" in rows[0]
+    assert rows[2] == "| 30 | 2 | 0 1 5 9 12 14 18 20 | 10 | 20/32 | 50% | 264 | 34.8 | 3.97 / 481 |", rows
 
 
 def test_cuda_check_runs_its_checks_on_the_cpu_and_refuses_cuda_in_one_line_without_a_device(tmp_path: Path) -> None:

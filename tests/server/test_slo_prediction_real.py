@@ -18,13 +18,13 @@ figures are the benchmark's (docs/benchmarks.md, "TTFT prediction error in real 
 this test checks that the prediction follows what the scheduler does, and a
 systematically wrong one fails it (2x too long or 0.4x: all three seeds).
 
-What it does not show (docs/benchmarks.md, "TTFT prediction error in real time"): its protocol
-is an overload in steps (the requests not started grow wave after wave, to 15-26), and the
-run lasts ~0.5 s of the clock, too short for the admission's 1-s and 5-s rate estimates to
-stretch the lower classes' predictions by the higher classes' arrivals much.  On SmolLM2's
-step costs (4 ms + ~0.5 ms a token) the same protocol takes ~5 s, the stretch converges, and
-15-28 of 32 predictions are within the bound (P2 stretched by P1's arrivals 3-20x, served in
-~2 s when the waves stop): issue 11 is open on that.
+On SmolLM2's step costs (4.5 ms + ~0.5 ms a token) the same protocol takes ~5-10 s of the
+clock, long enough for the admission's 1-s and 5-s rate estimates to converge; the tests below
+run it there too, a wave every 30 steps (an overload in steps: the requests not started grow
+wave after wave) and every 60.  Before NOTE(served-only) (the request queue),
+NOTE(take-when-needed) (the scheduler) and NOTE(gps-arrivals) (the admission), 16-28 of 32
+were within the bound every 30 steps over seeds 0-7: P2 was predicted by strict priority
+(P1's arrivals stretching it up to 20x) while the waves ended before the measured P2s started.
 
 Stated bound: for at least 75% of the requests, |measured - predicted| <=
 0.5 x measured + 3 step times (the prediction is made at step granularity).
@@ -93,19 +93,18 @@ def test_predicted_ttft_is_within_the_stated_bound_on_a_real_run(tiny_model_dir:
     assert r["within"] >= 0.75 * r["total"], r["message"]
 
 
+@pytest.mark.parametrize("gap", [30, 60])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_bound_holds_on_smollm2_step_costs_with_a_wave_every_60_steps(tiny_model_dir: str, seed: int) -> None:
-    """SmolLM2's step costs on the 2 cores (4.5 ms + 470 us a token), where the waves every 30 steps of the test
-    above pile up a backlog (an overload in steps: P2 over-predicted by P1's work share, docs/server.md) and a
-    wave every 60 steps leaves 3-10 requests not started by the last wave (seeds 0-4).  There, over seeds 0-9: 19-32 of 32 within, seeds 4
-    and 7 short by P2's class drain (NOTE(class-drain), docs/benchmarks.md); 18-30 before NOTE(express-share)
-    and NOTE(hol-prefill) in the admission (85e3f32).  Predictions 2x too long fail all three seeds (14-21 of
-    32); 0.4x too short pass (26-30): at these costs the bound's three steps of 64 tokens (~0.1 s) cover 0.6x of
-    any TTFT under ~1 s, so this case guards against over-prediction only."""
+def test_the_bound_holds_on_smollm2_step_costs(tiny_model_dir: str, seed: int, gap: int) -> None:
+    """SmolLM2's step costs on the 2 cores (4.5 ms + 470 us a token).  A wave every 30 steps piles up a backlog
+    (P1 and P2 queue for the slots the reservation for P0 leaves them; the backlog at wave 8 is 15-28); every 60
+    steps leaves 3-11 requests not started by wave 8.  Over seeds 0-7: every 30 steps 24-32 of 32 within, every 60
+    steps 21-32 (seed 7 short: its P2s over-predicted ~2x by the strict stretch, whose P1 share does not bind while
+    P1 keeps up).  Before NOTE(gps-arrivals) and the WFQ fixes, every 30 steps 16-28."""
     clock = VirtualClock()
     engine = _timed_engine(tiny_model_dir, clock, random.Random(seed + 1000), costs=SMOLLM2_COSTS)
-    r = measure(engine, clock, seed, gap=60)
-    print(f"seed {seed}: {r['within']}/{r['total']} within the bound, backlog {r['backlog']}")
+    r = measure(engine, clock, seed, gap=gap)
+    print(f"seed {seed}: {r['within']}/{r['total']} within the bound, backlog {r['backlog'][:8]}")
     assert r["within"] >= 0.75 * r["total"], r["message"]
 
 
