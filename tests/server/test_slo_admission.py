@@ -223,6 +223,19 @@ def test_lower_class_decodes_do_not_count_against_a_higher_class_prefill() -> No
     assert predict_ttft(load, Priority.P2, 40) == pytest.approx(10 * 0.01 + 0.001 * (40 + 10 * 60) + half_current_step)
 
 
+def _admit_for_30_s(a: admission.AdmissionController, clock: FakeClock, priority: Priority) -> None:
+    """30 s of ``priority`` requests (10-token prompts) admitted at 60 req/s and started at once, on an engine
+    that does 80 requests' work a second and always has work."""
+    for i in range(600):
+        for k in range(3):
+            a.admit(f"{priority.label}-{i}-{k}", priority, 26, 10)
+            a.remove(f"{priority.label}-{i}-{k}")
+        for _ in range(4):
+            a.observe_output_tokens(16)
+        clock.now += 0.05
+        a.observe_stats(ran(4, num_running=3))  # work in the engine all the time
+
+
 def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     clock = FakeClock()
     a = controller("p0=1s,p1=2s,p2=0.3s", clock)
@@ -231,14 +244,7 @@ def test_higher_classes_arrivals_stretch_a_lower_class_prediction() -> None:
     base = predict_ttft(load, Priority.P2, 100)
     assert a.predict(load, Priority.P2, 100) == pytest.approx(base), "nothing measured yet: the queue alone"
     a.mean_prompt_tokens = 10.0
-    for i in range(600):  # 30 s: P0 admitted at 60 req/s and started at once, 80 req/s of work, the engine always busy
-        for k in range(3):
-            a.admit(f"p0-{i}-{k}", Priority.P0, 20, 10)
-            a.remove(f"p0-{i}-{k}")
-        for _ in range(4):
-            a.observe_output_tokens(16)
-        clock.now += 0.05
-        a.observe_stats(ran(4, num_running=3))  # work in the engine all the time
+    _admit_for_30_s(a, clock, Priority.P0)
     assert a.higher_load(Priority.P0) == 0.0, "nothing is above P0"
     assert a.higher_load(Priority.P2) == pytest.approx(0.75, rel=0.05)
     load = a.load()
@@ -455,14 +461,7 @@ def test_under_wfq_arrivals_of_a_class_above_p1_count_up_to_their_weight_share()
     def p2_prediction(policy: str) -> tuple[float, float]:
         clock = FakeClock()
         a = controller("p0=1s,p1=2s,p2=5s", clock, policy=policy)
-        for i in range(600):  # 30 s
-            for k in range(3):
-                a.admit(f"p1-{i}-{k}", Priority.P1, 26, 10)
-                a.remove(f"p1-{i}-{k}")
-            for _ in range(4):
-                a.observe_output_tokens(16)
-            clock.now += 0.05
-            a.observe_stats(ran(4, num_running=3))
+        _admit_for_30_s(a, clock, Priority.P1)
         load = a.load()
         return a.predict(load, Priority.P2, 10), predict_ttft(load, Priority.P2, 10)
 
