@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import SchedulingPolicy
 from sluice.engine.kv_tiers.connector import KVTierConnector, LoadState
 from sluice.engine.protocol import EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
@@ -139,6 +140,7 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.waiting = make_request_queue(policy)
+        self.shares_slots = SchedulingPolicy(policy) is SchedulingPolicy.WFQ  # NOTE(take-when-needed)
         self.running: list[Request] = []
         self.kv_tiers = kv_tiers
         self.loading: list[Request] = []  # admitted, waiting for their KV blocks from a tier
@@ -225,17 +227,20 @@ class Scheduler:
 
         NOTE(take-when-needed): P0 always may (its slots are kept free for it,
         NOTE(trunk-reservation), so it preempts only past its recent peak), and so
-        may a request with no TTFT target (class order is all it has).  A P1
-        with a target takes from P2 only once it is behind it (NOTE(behind)):
-        until then a slot that frees goes by the WFQ shares, as the issue's
-        "WFQ shares apply among classes that are all within target" asks.
+        may a request with no TTFT target (class order is all it has), and any
+        request under ``priority`` and ``fcfs`` (no shares to keep).  Under
+        ``wfq`` a P1 with a target takes from P2 only once it is behind it
+        (NOTE(behind)): until then a slot that frees goes by the WFQ shares, as
+        the issue's "WFQ shares apply among classes that are all within target" asks.
         Taking earlier throws the victim's work away for a request that could
         wait, and under a sustained P1 backlog it made WFQ's share for P2 an
         illusion: each P2 that got its turn was preempted by the next P1, over
         and over (612 preemptions in one run of 4 slots), and the P2s behind it
         never started.
         """
-        return req.priority == Priority.P0 or req.ttft_target <= 0.0 or self._is_behind(req, now)
+        if req.priority == Priority.P0 or req.ttft_target <= 0.0 or not self.shares_slots:
+            return True
+        return self._is_behind(req, now)
 
     def _lower_victim(self, priority: int) -> Request | None:
         """The running request to preempt for a request of class ``priority``: lowest class, newest, strictly lower."""

@@ -175,12 +175,13 @@ def test_wfq_shares_one_slot_between_backlogged_p1_and_p2() -> None:
 
 
 def test_a_p1_takes_a_running_p2s_slot_only_once_behind_its_target_or_with_none() -> None:
-    """NOTE(take-when-needed): P0 always preempts a lower class for a slot; a P1 with a TTFT target
-    only once it is behind (half its target used), and a P1 with no target at once (class order)."""
+    """NOTE(take-when-needed): P0 always preempts a lower class for a slot; under wfq a P1 with a TTFT
+    target only once it is behind (half its target used), a P1 with no target at once (class order), and
+    under strict priority any P1 at once."""
 
-    def preempted_after(p1_target: float, waited: float) -> list[str]:
+    def preempted_after(p1_target: float, waited: float, policy: str = "wfq") -> list[str]:
         clock = FakeClock(100.0)
-        sched = create_scheduler(max_num_seqs=1, max_num_batched_tokens=64, clock=clock)
+        sched = create_scheduler(max_num_seqs=1, max_num_batched_tokens=64, policy=policy, clock=clock)
         sched.add_request(make_request("p2", Priority.P2, max_tokens=50))
         apply(sched, sched.schedule())
         sched.add_request(make_request("p1", Priority.P1, arrival=100.0, ttft_target=p1_target))
@@ -191,6 +192,7 @@ def test_a_p1_takes_a_running_p2s_slot_only_once_behind_its_target_or_with_none(
     assert preempted_after(10.0, 1.0) == [], "1 s into a 10 s target: the P1 waits for the slot"
     assert preempted_after(10.0, 6.0) == ["p2"], "6 s into it the P1 is behind: it takes the slot"
     assert preempted_after(0.0, 0.0) == ["p2"], "no target: class order, at once"
+    assert preempted_after(10.0, 1.0, "priority") == ["p2"], "strict priority keeps no shares: at once"
 
 
 def test_preempted_request_resumes_and_finishes() -> None:
