@@ -426,17 +426,19 @@ class AdmissionController:
         does), the shares tighten it where they bind (docs/benchmarks.md, "TTFT
         prediction error").
         """
-        base = predict_ttft(load, priority, num_prompt_tokens)
-        strict = base / (1.0 - self.higher_load(priority, load))
         shares, rates = self._higher_shares(priority, load)
-        stretch = 1.0 / (1.0 - min(MAX_HIGHER_LOAD, shares[0] if shares else 0.0))
+        base = predict_ttft(load, priority, num_prompt_tokens)
+        if not rates:  # unmeasured: the queue alone
+            return base
+        strict = base / (1.0 - min(MAX_HIGHER_LOAD, sum(shares)))  # higher_load's
+        stretch = 1.0 / (1.0 - min(MAX_HIGHER_LOAD, shares[0]))
         wait = base * stretch
-        added: list[int] = [0] * len(rates)
+        added = [0] * len(rates)
         for _ in range(GPS_ITERATIONS):
-            more = [round(rates[k] * wait) if k > 0 else 0 for k in range(len(rates))]
+            more = [0, *(round(r * wait) for r in rates[1:])]  # P0's arrivals are in the stretch
             if more == added:
                 break
-            later = [(n, round(n * self.mean_prompt_tokens)) for n in more] + [(0, 0)] * (len(Priority) - len(more))
+            later = [(n, round(n * self.mean_prompt_tokens)) for n in more]
             added, wait = more, predict_ttft(load, priority, num_prompt_tokens, later) * stretch
             if wait >= strict:
                 break
@@ -553,8 +555,7 @@ class AdmissionController:
             return victims, predicted, target
         rest = [e for e in lower if e not in victims
                 and (priority == Priority.P0 or now - e.submitted_at <= SHED_MAX_AGE_S)]  # NOTE(young-victims)
-        best = EngineLoad(**{**load.__dict__, "num_waiting_by_priority": list(load.num_waiting_by_priority),
-                             "num_prefill_tokens_by_priority": list(load.num_prefill_tokens_by_priority)})  # fmt: skip
+        best = load.copy()
         for e in rest:
             best.add(e.priority, e.num_prompt_tokens, -1)
         best_case = self.predict(best, priority, prompt)

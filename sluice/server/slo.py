@@ -169,6 +169,11 @@ class EngineLoad:
     def step_time(self, num_tokens: float, num_seqs: float = 0.0) -> float:
         return self.step_time_base + self.step_time_per_token * num_tokens + self.step_time_per_seq * num_seqs
 
+    def copy(self) -> EngineLoad:
+        """A copy whose queue counts (``add``) change apart from this one's."""
+        return dataclasses.replace(self, num_waiting_by_priority=list(self.num_waiting_by_priority),
+                                   num_prefill_tokens_by_priority=list(self.num_prefill_tokens_by_priority))  # fmt: skip
+
     def add(self, priority: int, num_prompt_tokens: int, sign: int = 1) -> None:
         """Count (or, ``sign=-1``, uncount) a queued request the stats do not show yet (or that is shed)."""
         self.num_waiting_by_priority[priority] = max(0, self.num_waiting_by_priority[priority] + sign)
@@ -273,8 +278,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int,
                  later: Sequence[tuple[int, int]] | None = None) -> float:  # fmt: skip
     """Predicted seconds from now to the first token of a new request (pure; 0 until the engine is measured).
 
-    ``later``: (requests, prompt tokens) per class that arrive while it waits and go first as far as the
-    policy lets them (the admission's NOTE(gps-arrivals)); the step in flight does not hold them.
+    ``later``: (requests, prompt tokens) per class from P0 on that arrive while it waits and go first as far
+    as the policy lets them (the admission's NOTE(gps-arrivals)); the step in flight does not hold them.
     """
     if not load.is_measured:
         return 0.0
@@ -282,12 +287,10 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int,
     current = load.step_time(min(load.max_num_batched_tokens, load.num_decoding + sum(load.num_prefill_tokens_by_priority)),
                              running)  # fmt: skip
     if later:
-        load = dataclasses.replace(
-            load,
-            num_waiting_by_priority=[w + n for w, (n, _) in zip(load.num_waiting_by_priority, later, strict=True)],
-            num_prefill_tokens_by_priority=[t + k for t, (_, k) in zip(load.num_prefill_tokens_by_priority, later,
-                                                                        strict=True)],
-        )  # fmt: skip
+        load = load.copy()
+        for k, (n, tokens) in enumerate(later):
+            load.num_waiting_by_priority[k] += n
+            load.num_prefill_tokens_by_priority[k] += tokens
     c = int(priority)
     own = float(load.num_prefill_tokens_by_priority[c] + num_prompt_tokens)
     # NOTE(lower-decodes): a lower class's decodes give their step tokens to this
