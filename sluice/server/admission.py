@@ -109,7 +109,7 @@ of them has (the sojourn time, as in CoDel: it sees a starved class at once),
 and at least ``(queued + 1) / drain``, the *drain rate* being first outputs per
 second of time the class had requests queued (both exponentially weighted over
 ``RATE_WINDOW_S``; no start in the window counts as one; it counts once the
-class has been backlogged ``DRAIN_MIN_BACKLOG_S``, weighted, so that a burst on
+class has been backlogged ``DRAIN_MIN_BACKLOG_S`` (``admission_rates``), weighted, so that a burst on
 an idle server is judged by the model alone).  The prediction is the largest
 of the three.  P0 keeps the model only: its express steps start
 the queued P0s together, which a per-request rate would overstate.
@@ -149,20 +149,19 @@ from dataclasses import dataclass
 
 from sluice.engine.protocol import EngineStats
 from sluice.errors import OverloadedError
+from sluice.server.admission_rates import RATE_WINDOW_S, ClassDrain, Rate
 from sluice.server.slo import EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
 
 __all__ = ["AdmissionController", "Decision"]
 
 _EWMA = 0.1  # weight of a new sample in the measured means
-RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
 FAST_RATE_WINDOW_S = 1.0  # ... of the higher classes' arrival rate seen rising (NOTE(higher-arrivals))
 ONSET_MIN_S = 0.25  # a busy period's arrivals count as a rate once it is this old (NOTE(surge-onset))
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
-DRAIN_MIN_BACKLOG_S = 1.0  # weighted seconds of backlog before a class's drain rate counts (NOTE(class-drain))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 GPS_ITERATIONS = 6  # predictions a wfq wait may take to settle (NOTE(gps-arrivals))
 P0_MISS_WEIGHT = 0.02  # weight of one P0 start in the share of admitted P0s that missed (NOTE(p0-margin))
@@ -176,62 +175,6 @@ P0_MARGIN_DECAY_S = 5.0  # ... and fade back to 1 with this time constant
 def _has_work(s: EngineStats) -> bool:
     """Whether the stats show a request in the engine: running, waiting or loading."""
     return s.num_running + s.num_waiting + s.num_loading > 0
-
-
-class _Rate:
-    """Events per second, exponentially weighted over ``window`` seconds (``RATE_WINDOW_S``)."""
-
-    __slots__ = ("value", "at", "window")
-
-    def __init__(self, window: float = RATE_WINDOW_S) -> None:
-        self.value = 0.0
-        self.at: float | None = None
-        self.window = window
-
-    def read(self, now: float) -> float:
-        return 0.0 if self.at is None else self.value * math.exp(-max(0.0, now - self.at) / self.window)
-
-    def tick(self, now: float, amount: float = 1.0) -> None:
-        self.value = self.read(now) + amount / self.window
-        self.at = now
-
-
-class _Drain:
-    """One class's queue: its queued requests in admission order, and first outputs per second of time
-    with any queued (NOTE(class-drain))."""
-
-    __slots__ = ("queued", "starts", "backlog", "at")
-
-    def __init__(self) -> None:
-        self.queued: dict[str, float] = {}  # key -> admitted at, oldest first
-        self.starts = _Rate()  # first outputs per second
-        self.backlog = _Rate()  # seconds with requests queued, per second
-        self.at: float | None = None  # backlog counted up to here
-
-    def _count(self, now: float) -> None:
-        if self.queued and self.at is not None:
-            self.backlog.tick(now, now - self.at)
-        self.at = now
-
-    def add(self, key: str, now: float) -> None:
-        self._count(now)
-        self.queued[key] = now
-
-    def remove(self, key: str, now: float) -> None:
-        self._count(now)
-        self.queued.pop(key, None)
-
-    def wait(self, now: float) -> float:
-        """Seconds until a request queued now starts behind the queued ones: at least the oldest one's
-        age, and, once ``DRAIN_MIN_BACKLOG_S`` of backlog was seen, ``(queued + 1) / drain rate``."""
-        oldest = now - next(iter(self.queued.values())) if self.queued else 0.0
-        backlog = self.backlog.read(now) * RATE_WINDOW_S
-        if self.queued and self.at is not None:
-            backlog += now - self.at
-        if backlog < DRAIN_MIN_BACKLOG_S:
-            return oldest
-        starts = max(1.0, self.starts.read(now) * RATE_WINDOW_S)
-        return max(oldest, (len(self.queued) + 1) * backlog / starts)
 
 
 @dataclass
@@ -285,15 +228,15 @@ class AdmissionController:
         self.mean_output_tokens = 16.0  # measured: generated tokens per finished request (16: a guess)
         self._num_finished = 0
         self.mean_prompt_tokens = 32.0  # measured: prompt tokens per admitted request
-        self._admitted = [_Rate() for _ in Priority]  # admitted requests/s by class
-        self._admitted_fast = [_Rate(FAST_RATE_WINDOW_S) for _ in Priority]  # ... seen rising (NOTE(higher-arrivals))
-        self._tokens = _Rate()  # tokens the engine's steps ran per second (NOTE(work-rate))
-        self._busy = _Rate()  # seconds with work in the engine, per second
+        self._admitted = [Rate() for _ in Priority]  # admitted requests/s by class
+        self._admitted_fast = [Rate(FAST_RATE_WINDOW_S) for _ in Priority]  # ... seen rising (NOTE(higher-arrivals))
+        self._tokens = Rate()  # tokens the engine's steps ran per second (NOTE(work-rate))
+        self._busy = Rate()  # seconds with work in the engine, per second
         self._busy_since: float | None = None  # the first stats: when the busy rate started counting
         self._fast_since = float("-inf")  # the 1-s averages restarted here: a busy period's start (NOTE(surge-onset))
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
-        self._drain = [_Drain() for _ in Priority]  # NOTE(class-drain)
+        self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
         self._p0_margin = (1.0, 0.0)  # ... the factor on P0's predictions it set, and when
 
@@ -516,7 +459,7 @@ class AdmissionController:
         load = self.load()
         now = self._clock()
         if not self._queued and self._engine_idle():  # a busy period starts (NOTE(surge-onset))
-            self._admitted_fast = [_Rate(FAST_RATE_WINDOW_S) for _ in Priority]
+            self._admitted_fast = [Rate(FAST_RATE_WINDOW_S) for _ in Priority]
             self._fast_since = now
         if self.slo is not None and load.is_measured:
             victims, predicted, target = self._predicted_wait(load, priority, prompt, victims, lower)

@@ -16,7 +16,7 @@ import pytest
 
 from sluice.errors import OverloadedError
 from sluice.http_errors import retry_after_header
-from sluice.server import admission, slo
+from sluice.server import admission, admission_rates, slo
 from sluice.server.slo import MID_STEP_WAIT_S, EngineLoad, SloTargets, predict_ttft, unloaded_ttft
 from sluice.types import Priority
 from tests.server.conftest import until
@@ -341,7 +341,7 @@ def test_while_a_higher_class_is_refused_a_lower_class_is_refused_too() -> None:
 
 
 def test_overdue_lower_class_requests_are_shed_p0_never(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "DRAIN_MIN_BACKLOG_S", 100.0)  # the sweep alone (NOTE(class-drain) aside)
+    monkeypatch.setattr(admission_rates, "DRAIN_MIN_BACKLOG_S", 100.0)  # the sweep alone (NOTE(class-drain) aside)
     clock = FakeClock()
     a = controller("p0=0.1s,p1=0.5s,p2=1s", clock)
     a.observe_stats(stats())
