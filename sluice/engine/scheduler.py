@@ -232,11 +232,8 @@ class Scheduler:
         ``wfq`` a P1 with a target takes from P2 only once it is behind it
         (NOTE(behind)): until then a slot that frees goes by the WFQ shares, as
         the issue's "WFQ shares apply among classes that are all within target" asks.
-        Taking earlier throws the victim's work away for a request that could
-        wait, and under a sustained P1 backlog it made WFQ's share for P2 an
-        illusion: each P2 that got its turn was preempted by the next P1, over
-        and over (612 preemptions in one run of 4 slots), and the P2s behind it
-        never started.
+        Taking earlier threw the victims' work away and, under a P1 backlog, left
+        P2 no share at all (docs/benchmarks.md, "TTFT prediction error").
         """
         if req.priority == Priority.P0 or req.ttft_target <= 0.0 or not self.shares_slots:
             return True
