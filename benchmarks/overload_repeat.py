@@ -14,7 +14,10 @@ length and SLA targets of ``overload.py``.  Per run: P0 attainment and TTFT p99,
 P1 served and within target per second, goodput, and the CPU each process
 took (the engine core process, the API process, this load generator; from
 /proc, in % of one core: the engine's OpenMP threads spin while they wait,
-so its share is an upper bound of its work).  ``--timeline`` adds, per second
+so its share is an upper bound of its work), and where the engine's time went
+by kind of step (normal, express at a step boundary, nested mid-step; from
+``/metrics``, NOTE(step-kinds) in sluice.engine.core): the share of the run
+each took, and the milliseconds each batched token cost in it.  ``--timeline`` adds, per second
 of each run, the engine's waiting requests by class and the admission's
 predicted TTFT by class (``/metrics`` sampled every 0.1 s) beside what the
 clients saw.  Writes section ``overload_repeat`` of docs/benchmarks.md.
@@ -131,6 +134,33 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+_KINDS = ("normal", "express", "nested")  # the engine's kinds of step (NOTE(step-kinds) in sluice.engine.core)
+_BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total")
+
+
+async def _step_totals(url: str) -> dict[str, float]:
+    """The engine's cumulative seconds and batched tokens by kind of step, from ``/metrics`` (empty when the
+    server does not export them, e.g. an older build in an A/B)."""
+    try:
+        async with aiohttp.ClientSession() as s, asyncio.timeout(5), s.get(url + "/metrics") as r:
+            return _gauges(await r.text(), _BY_KIND)
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+
+
+def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, dict[str, float]]:
+    """Per kind of step over a run: the share of the wall time the engine spent in it, and ms per batched token."""
+    if not after:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for k in _KINDS:
+        key = f'{{kind="{k}"}}'
+        sec = after.get(_BY_KIND[0] + key, 0.0) - before.get(_BY_KIND[0] + key, 0.0)
+        tok = after.get(_BY_KIND[1] + key, 0.0) - before.get(_BY_KIND[1] + key, 0.0)
+        out[k] = {"busy_share": sec / wall if wall > 0 else 0.0, "ms_per_token": 1e3 * sec / tok if tok else 0.0}
+    return out
+
+
 _TIMELINE = ("sluice_num_requests_waiting_by_priority", "sluice_predicted_ttft_seconds",
              "sluice_num_requests_running_by_priority")
 
@@ -187,6 +217,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # NOTE(host-drift); the lone TTFT measured at the start is the first run's probe (it ran just now)
             probe = lone if k == 0 and not args.lone_ttft else await ov.lone_ttft(server, args.max_tokens)
             before = {p: _cpu_seconds(p) for p in [server.procs[0].pid, *engine]}
+            steps_before = await _step_totals(server.url)
             me, t0 = time.process_time(), time.perf_counter()
             samples: list[tuple[float, dict[str, float]]] = []
             sampler = asyncio.create_task(_sample(server.url, t0, samples)) if args.timeline else None
@@ -196,6 +227,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if sampler is not None:
                 sampler.cancel()
             wall = time.perf_counter() - t0
+            kinds = step_kinds(steps_before, await _step_totals(server.url), wall)
             api = (_cpu_seconds(server.procs[0].pid) - before[server.procs[0].pid]) / wall
             eng = sum(_cpu_seconds(p) - before[p] for p in engine) / wall
             s = ov.summarize(records, health, targets, args.step_s)
@@ -207,12 +239,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p0_refused": p0["shed"] / max(1, p0["sent"]),
                     "p1_served_rps": p1_served, "p1_within_rps": (p1["attainment"] or 0.0) * p1_sent / args.step_s,
                     "goodput_rps": s["goodput_rps"], "cpu_engine": eng, "cpu_api": api,
-                    "cpu_client": (time.process_time() - me) / wall, "cpu_neighbour": nb_cpu / wall}  # fmt: skip
+                    "cpu_client": (time.process_time() - me) / wall, "cpu_neighbour": nb_cpu / wall,
+                    "steps": kinds}  # fmt: skip
             runs.append(run_)
             print(f"  run {k + 1} (seed {seed}, lone TTFT before it {probe * 1000:.1f} ms): P0 {p0['attainment']:.1%} "
                   f"({run_['p0_refused']:.1%} refused), P1 served {p1_served:.1f}/s, goodput "
                   f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%} "
-                  f"neighbour {run_['cpu_neighbour']:.0%}",
+                  f"neighbour {run_['cpu_neighbour']:.0%}; engine busy {_kinds_cell(kinds, 'busy_share')}, "
+                  f"ms/token {_kinds_cell(kinds, 'ms_per_token')}",
                   file=sys.stderr)  # fmt: skip
             if args.timeline:
                 run_["timeline"] = _timeline(samples, records, targets)
@@ -221,16 +255,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"lone_ttft_s": lone, "capacity_rps": cap, "rate_rps": rate, "targets_s": targets, "runs": runs}
 
 
+def _kinds_cell(kinds: dict[str, dict[str, float]] | None, field: str) -> str:
+    """normal / express / nested, as shares of the run or ms per token."""
+    if not kinds:
+        return "-"
+    if field == "busy_share":
+        return " / ".join(f"{kinds[k][field]:.0%}" for k in _KINDS)
+    return " / ".join(f"{kinds[k][field]:.2f}" if kinds[k][field] else "-" for k in _KINDS)
+
+
 def table(result: dict[str, Any]) -> str:
     rows = [[r["run"], r["seed"], ov._fmt(r["lone_ttft_before_s"], 1000, 1), f"{(r['p0_attainment'] or 0):.1%}",
              f"{r.get('p0_refused', 0.0):.1%}", ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
              f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
              f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}",
-             f"{r.get('cpu_neighbour', 0.0):.0%}"] for r in result["runs"]]  # fmt: skip
+             f"{r.get('cpu_neighbour', 0.0):.0%}", _kinds_cell(r.get("steps"), "busy_share"),
+             _kinds_cell(r.get("steps"), "ms_per_token")] for r in result["runs"]]  # fmt: skip
     return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 refused", "P0 TTFT p99 (ms)",
                            "P1 served (req/s)",
                            "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client",
-                           "CPU neighbour"], rows)  # fmt: skip
+                           "CPU neighbour", "engine busy: normal / express / nested",
+                           "ms per batched token: normal / express / nested"], rows)  # fmt: skip
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from sluice.engine.kv_tiers.factory import make_kv_tier
 from sluice.engine.lora_manager import LoRAManager
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.protocol import (
+    STEP_KINDS,
     EngineError,
     EngineOutput,
     EngineRequest,
@@ -49,6 +50,7 @@ MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slot
 EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
 EXPRESS_SHARE = 0.7  # ... and while express steps took less than this share of the recent step time
 EXPRESS_DECAY = 0.97  # per step: the memory of that share (~30 steps, about a second: a burst of P0s passes)
+_NORMAL, _EXPRESS, _NESTED = range(len(STEP_KINDS))  # NOTE(step-kinds)
 
 
 class EngineCore:
@@ -103,6 +105,9 @@ class EngineCore:
         self.step_model = StepTimeModel()
         self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
         self._express_time = [0.0, 0.0]  # decayed seconds of recent steps: express, all
+        self._busy = [0.0, 0.0, 0.0]  # NOTE(step-kinds): cumulative seconds, tokens and steps by STEP_KINDS
+        self._tokens_by_kind = [0, 0, 0]
+        self._steps_by_kind = [0, 0, 0]
         self.num_express_steps = 0
         self.num_mid_step_express = 0  # express steps run between two layers of another step
         self._arrivals: Callable[[], None] | None = None  # NOTE(mid-step-express): set_arrivals()
@@ -209,14 +214,13 @@ class EngineCore:
             outputs += self._run(sched, self._mid_step if self._mid_step_on and not express else None)
             self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
-            self._num_batched_tokens_total += sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = self.scheduler.clock()
             if self._mid_step_time:  # the step's own time: the nested steps were observed on their own
                 t0 += self._mid_step_time
             self._last_step_time = t1 - t0
             self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
-            self._count_express_share(t1 - t0, express)
+            self._count_step(_EXPRESS if express else _NORMAL, t1 - t0, sched.num_batched_tokens)
         elif self.kv_tiers is not None and self.scheduler.loading:
             self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
@@ -238,10 +242,28 @@ class EngineCore:
                 self.generators.pop(out.request_id, None)
                 self.lora.release(out.request_id)
 
-    def _count_express_share(self, seconds: float, express: bool) -> None:
-        """Decay the recent step time and add one step's (``EXPRESS_SHARE`` bounds the express part)."""
-        share = self._express_time
-        share[0] = share[0] * EXPRESS_DECAY + (seconds if express else 0.0)
+    def _count_step(self, kind: int, seconds: float, num_tokens: int) -> None:
+        """Count one step's time and tokens: the totals by kind, and the decayed express share.
+
+        NOTE(step-kinds): each second of the engine's steps is counted once, in
+        the kind of step it went to (``STEP_KINDS``): a normal step, an express
+        step taken at a step boundary, or one nested in a normal step between two
+        of its layers (NOTE(mid-step-express)), whose time the normal step's leaves
+        out.  A step's time runs from the start of its planning to the end of its
+        outputs (a nested step's from its run: its planning falls in the normal
+        step's).  The stats carry the totals and ``/metrics`` exports them
+        (``sluice_engine_busy_seconds``, ``sluice_engine_batched_tokens_by_kind``,
+        ``sluice_engine_steps_by_kind``, by ``kind``): their rates show what share
+        of the engine P0's express steps take under load, and what a batched
+        token costs in each kind of step (``benchmarks/overload_repeat.py``
+        reports both per run; docs/benchmarks.md has the figures).
+        """
+        self._busy[kind] += seconds
+        self._tokens_by_kind[kind] += num_tokens
+        self._steps_by_kind[kind] += 1
+        self._num_batched_tokens_total += num_tokens
+        share = self._express_time  # EXPRESS_SHARE bounds the express part of the recent time
+        share[0] = share[0] * EXPRESS_DECAY + (seconds if kind != _NORMAL else 0.0)
         share[1] = share[1] * EXPRESS_DECAY + seconds
 
     @property
@@ -281,11 +303,10 @@ class EngineCore:
         outputs = self._run(sched)
         t1 = self.scheduler.clock()
         self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
-        self._num_batched_tokens_total += sched.num_batched_tokens
         self._mid_step_time += t1 - t0
         self.num_express_steps += 1
         self.num_mid_step_express += 1
-        self._count_express_share(t1 - t0, True)
+        self._count_step(_NESTED, t1 - t0, sched.num_batched_tokens)
         self._release_finished(outputs)
         self._publish(outputs)
         return True
@@ -490,6 +511,9 @@ class EngineCore:
             step_time=self._last_step_time,
             num_batched_tokens=self._last_batched,
             num_batched_tokens_total=self._num_batched_tokens_total,
+            busy_seconds_by_kind=list(self._busy),
+            batched_tokens_by_kind=list(self._tokens_by_kind),
+            steps_by_kind=list(self._steps_by_kind),
             num_decoding=sum(decoding),
             num_decoding_by_priority=decoding,
             num_prefill_tokens_by_priority=prefill_tokens,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from sluice.engine.config import ModelInfo
 
 __all__ = [
+    "STEP_KINDS",
     "SamplingParams",
     "EngineRequest",
     "EngineAbort",
@@ -215,6 +216,9 @@ class KVTierStats(msgspec.Struct, kw_only=True):
     num_corrupt: int = 0  # files or blocks found truncated, corrupt or foreign, and removed
 
 
+STEP_KINDS = ("normal", "express", "nested")  # a step's kind: EngineStats.*_by_kind index them in this order
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -230,6 +234,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time: float = 0.0  # seconds, last step
     num_batched_tokens: int = 0  # last step
     num_batched_tokens_total: int = 0  # cumulative: every step's, nested express steps' too (NOTE(work-rate) in admission)
+    # cumulative, by STEP_KINDS (NOTE(step-kinds) in core): the engine's seconds in steps of that kind (a normal
+    # step's without the express steps nested in it), their batched tokens, and how many ran
+    busy_seconds_by_kind: list[float] = msgspec.field(default_factory=lambda: [0.0, 0.0, 0.0])
+    batched_tokens_by_kind: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
+    steps_by_kind: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     num_decoding: int = 0  # running requests past their prefill (one token a step each)
     num_decoding_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     # tokens still to prefill (waiting requests, chunked prefills; a preempted request's recompute), by class

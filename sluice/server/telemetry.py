@@ -64,7 +64,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from sluice.engine.protocol import EngineStats, LoRALoadRecord, RequestTimings
+from sluice.engine.protocol import STEP_KINDS, EngineStats, LoRALoadRecord, RequestTimings
 from sluice.obs.host import HostCollector
 from sluice.obs.tracing import Tracing
 
@@ -183,6 +183,7 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=s.prefix_cache_queries)
         yield CounterMetricFamily("sluice_preemptions", "Requests preempted (freed and recomputed later).", value=s.num_preemptions)
         yield CounterMetricFamily("sluice_engine_steps", "Engine steps.", value=s.num_steps)
+        yield from _step_kind_metrics(s)
         yield GaugeMetricFamily("sluice_engine_step_time_base_seconds", "Fitted fixed cost of an engine step.", value=s.step_time_base)
         yield GaugeMetricFamily("sluice_engine_step_time_per_token_seconds", "Fitted cost of one batched token in a step.", value=s.step_time_per_token)
         yield GaugeMetricFamily("sluice_engine_step_time_per_seq_seconds", "Fitted cost of one scheduled sequence in a step.", value=s.step_time_per_seq)
@@ -194,6 +195,20 @@ class EngineStatsCollector(Collector):
 
         if s.lora is not None:
             yield from _lora_metrics(s)
+
+
+def _step_kind_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The engine's time, tokens and steps by kind of step (NOTE(step-kinds) in sluice.engine.core)."""
+    for name, doc, values in (
+        ("sluice_engine_busy_seconds", "Engine time in steps of each kind (a normal step's without the express steps "
+         "nested in it).", s.busy_seconds_by_kind),
+        ("sluice_engine_batched_tokens_by_kind", "Tokens batched in steps of each kind.", s.batched_tokens_by_kind),
+        ("sluice_engine_steps_by_kind", "Engine steps of each kind.", s.steps_by_kind),
+    ):  # fmt: skip
+        c = CounterMetricFamily(name, doc, labels=["kind"])
+        for kind, v in zip(STEP_KINDS, values):
+            c.add_metric([kind], v)
+        yield c
 
 
 def _lora_metrics(s: EngineStats) -> Iterator[Metric]:

@@ -3,6 +3,7 @@ express step nested between two of that step's layers; nothing in flight is dist
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,36 @@ def test_mid_step_the_p0_nests_even_where_a_boundary_would_give_it_a_normal_step
     assert engine.num_mid_step_express == 1 and [o.request_id for o in published[0]] == ["p0-a"], (
         "mid-step the alternative is the rest of the running step: it nests"
     )
+
+
+def test_a_nested_steps_time_and_tokens_count_once_and_as_nested(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(step-kinds) in core: the engine's time and tokens by kind of step, the nested step out of the normal one."""
+    monkeypatch.setattr(core, "MID_STEP_POLL_S", 0.0)
+    engine = _engine(tiny_llama)
+    for rid, prompt in P2_PROMPTS.items():
+        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY, priority=2))
+    for _ in range(3):
+        engine.step()
+    before = engine.make_stats()
+    assert before.steps_by_kind == [3, 0, 0] and before.busy_seconds_by_kind[1:] == [0.0, 0.0]
+    assert before.batched_tokens_by_kind[0] == before.num_batched_tokens_total
+    _known_rates(engine)
+    arrivals = [["p0-a", "p0-b"]]
+
+    def take_arrivals() -> None:
+        for rid in arrivals.pop() if arrivals else []:
+            engine.add_request(_p0(rid))
+
+    engine.set_arrivals(take_arrivals, lambda outs: None)
+    t0 = time.monotonic()
+    engine.step()
+    wall = time.monotonic() - t0
+    s = engine.make_stats()
+    assert s.steps_by_kind == [4, 0, 1], "one normal step, and one express step nested in it"
+    assert s.batched_tokens_by_kind[2] == sum(map(len, P0_PROMPTS.values()))
+    assert s.batched_tokens_by_kind[0] - before.batched_tokens_by_kind[0] == len(P2_PROMPTS), "the decodes only"
+    assert sum(s.batched_tokens_by_kind) == s.num_batched_tokens_total
+    normal = s.busy_seconds_by_kind[0] - before.busy_seconds_by_kind[0]
+    nested = s.busy_seconds_by_kind[2]
+    assert normal > 0.0 and nested > 0.0
+    assert normal + nested <= wall, "the nested step's seconds are not counted in the normal step around it too"

@@ -383,6 +383,8 @@ def test_engine_takes_an_express_step_for_a_p0_among_many_decodes(tiny_llama: Pa
     assert engine._express(_budget(engine))
     outs = engine.step()
     assert engine.num_express_steps == 1 and [o.request_id for o in outs] == ["p0"], "the P0's first token, alone"
+    stats = engine.make_stats()
+    assert stats.steps_by_kind == [3, 1, 0] and stats.batched_tokens_by_kind[1] == 10, "NOTE(step-kinds) in core"
     assert not engine._express(_budget(engine)), "nothing urgent left"
     engine.add_request(EngineRequest(request_id="p0-b", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip

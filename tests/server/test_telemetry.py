@@ -29,6 +29,16 @@ def test_stats_become_gauges_and_cumulative_counts_become_deltas() -> None:
     assert _sample(m, "sluice_preemptions_total") == 1
 
 
+def test_the_engine_time_tokens_and_steps_by_kind_of_step_are_counters_by_kind() -> None:
+    m = ServerMetrics("m")
+    m.observe_stats(EngineStats(busy_seconds_by_kind=[1.5, 0.25, 0.5], batched_tokens_by_kind=[100, 20, 30],
+                                steps_by_kind=[3, 1, 2]))  # fmt: skip
+    assert [_sample(m, "sluice_engine_busy_seconds_total", kind=k) for k in ("normal", "express", "nested")] == [
+        1.5, 0.25, 0.5]  # fmt: skip
+    assert _sample(m, "sluice_engine_batched_tokens_by_kind_total", kind="nested") == 30
+    assert _sample(m, "sluice_engine_steps_by_kind_total", kind="express") == 1
+
+
 def test_finished_request_feeds_the_priority_histograms() -> None:
     m = ServerMetrics("m")
     t = RequestTimings(arrival=10.0, first_scheduled=10.5, first_token=11.0, finished=13.0)
