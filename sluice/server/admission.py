@@ -162,6 +162,7 @@ SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
+EARLY_SHED_S = 0.25  # a class's last refusal, less the time since, refuses before parsing this long (NOTE(early-shed))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 GPS_ITERATIONS = 6  # predictions a wfq wait may take to settle (NOTE(gps-arrivals))
 P0_MISS_WEIGHT = 0.02  # weight of one P0 start in the share of admitted P0s that missed (NOTE(p0-margin))
@@ -236,6 +237,7 @@ class AdmissionController:
         self._fast_since = float("-inf")  # the 1-s averages restarted here: a busy period's start (NOTE(surge-onset))
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
+        self._floor = [(float("-inf"), 0.0) for _ in Priority]  # ... and its 1-token best case (NOTE(early-shed))
         self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
         self._p0_margin = (1.0, 0.0)  # ... the factor on P0's predictions it set, and when
@@ -483,14 +485,9 @@ class AdmissionController:
         target = self.target(priority, prompt, load)
         assert target is not None
         now = self._clock()
-        above = [p for p in Priority if p < priority and now - self._refused_at[p] < REFUSED_ABOVE_S]
-        if above:  # NOTE(refused-above)
-            raise OverloadedError(
-                f"{above[-1].label} requests are being refused for their predicted wait; "
-                f"a {priority.label} request is refused with them; retry later",
-                retry_after=self.jittered(self.retry_after),
-                code="slo_unattainable",
-            )
+        refused = self._refused_above(priority, now)
+        if refused is not None:
+            raise refused
         for e in victims:
             load.add(e.priority, e.num_prompt_tokens, -1)
         predicted = self.predict(load, priority, prompt)
@@ -504,6 +501,8 @@ class AdmissionController:
         best_case = self.predict(best, priority, prompt)
         if best_case > target:
             self._refused_at[priority] = now
+            if priority != Priority.P0:  # NOTE(early-shed): what any prompt of the class is predicted at least
+                self._floor[priority] = (now, best_case if prompt <= 1 else self.predict(best, priority, 1))
             raise OverloadedError(
                 f"predicted time to first token {predicted:.2f} s is over the {priority.label} target "
                 f"of {target:.2f} s; retry later",
@@ -517,6 +516,36 @@ class AdmissionController:
             if predicted <= target:
                 break
         return victims, predicted, target
+
+    def refuse_early(self, priority: Priority, max_prompt_tokens: int | None = None) -> OverloadedError | None:
+        """The refusal a ``priority`` request of at most ``max_prompt_tokens`` prompt tokens (None: any number)
+        gets before it is parsed, or None: parse it and admit it as usual.  The rules: NOTE(early-shed) in
+        sluice.server.early_shed."""
+        now = self._clock()
+        refused = self._refused_above(priority, now)
+        if refused is not None or max_prompt_tokens is None or not self.has_floor(priority):
+            return refused
+        at, floor = self._floor[priority]
+        floor -= now - at
+        target = self.target(priority, max_prompt_tokens)
+        if target is None or floor <= target:
+            return None
+        why = f"predicted time to first token of at least {floor:.2f} s is over the {priority.label} target"
+        return OverloadedError(f"{why} of {target:.2f} s; retry later", retry_after=self.jittered(floor - target),
+                               code="slo_unattainable")  # fmt: skip
+
+    def has_floor(self, priority: Priority) -> bool:
+        """A refusal of the class by predicted wait in the last ``EARLY_SHED_S`` may refuse it early (NOTE(early-shed))."""
+        return priority != Priority.P0 and self._clock() - self._floor[priority][0] < EARLY_SHED_S
+
+    def _refused_above(self, priority: Priority, now: float) -> OverloadedError | None:
+        """NOTE(refused-above): a higher class was refused for its predicted wait in the last ``REFUSED_ABOVE_S``."""
+        above = [p for p in Priority if p < priority and now - self._refused_at[p] < REFUSED_ABOVE_S]
+        if not above:
+            return None
+        why = f"{above[-1].label} requests are being refused for their predicted wait"
+        return OverloadedError(f"{why}; a {priority.label} request is refused with them; retry later",
+                               retry_after=self.jittered(self.retry_after), code="slo_unattainable")  # fmt: skip
 
     def overdue(self) -> list[str]:
         """Remove and return the queued requests below P0 that waited ``OVERDUE_FACTOR`` times their

@@ -11,7 +11,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 server is not draining), ``GET /metrics``; ``/admin/profile`` (``sluice.server.profiling``);
 ``/admin/kv`` and ``/admin/kv/checkpoint`` (``sluice.server.admin``);
 LoRA adapters: ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``
-(``sluice.server.lora_routes``).
+(``sluice.server.lora_routes``).  A completion request that admission refuses
+whatever its body says is answered before the app parses it (NOTE(early-shed)
+in ``sluice.server.early_shed``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from sluice.server.admin import add_admin_routes
 from sluice.server.admission import AdmissionController
 from sluice.server.codec import TextCodec, load_codec
 from sluice.server.config import ServerSettings
+from sluice.server.early_shed import EarlyShedMiddleware
 from sluice.server.engine_client import EngineClient
 from sluice.server.engine_proc import default_engine_factory
 from sluice.server.engine_setup import EngineProcessSetup
@@ -226,6 +229,7 @@ def build_app(
 
     app = FastAPI(title="sluice", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.sluice = state
+    app.add_middleware(EarlyShedMiddleware, state=state)  # NOTE(early-shed); inside the request id's
     app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,0 +1,170 @@
+"""Answer a request that admission refuses whatever it says before the app reads it.
+
+NOTE(early-shed): under overload most requests end in a 429, and on a small
+machine the API process shares the cores with the engine: every millisecond of
+CPU it spends on a request it refuses is taken from the steps that serve the
+admitted ones.  A refused request cost ~0.6 ms of the API process's CPU on the
+2-core test machines (the HTTP parse, the app's middleware and routing, the
+body's validation, tokenization, admission, the error's rendering); at 3x load
+that is ~155 of them a second, ~9% of a core, and every 1% of a core the engine
+loses costs it about as much of its token rate (docs/benchmarks.md, "Where the
+engine's time goes at 3x").  This middleware answers at once the requests that
+admission would refuse whatever their body says (``AdmissionController.refuse_early``),
+the class taken from the ``x-priority`` header and capped by the caller's key
+as usual:
+
+- a request of a class below one that is being refused for its predicted
+  wait (NOTE(refused-above) in sluice.server.admission), before its body is read;
+- on ``/v1/completions``, a request of a class that was itself refused for its
+  predicted wait in the last ``EARLY_SHED_S`` (0.25 s), after its body is read
+  but not validated or tokenized: that refusal's best case for a 1-token prompt,
+  less the time since (a queue's wait shrinks no faster than time passes), is
+  over the class's target for the longest prompt the body may hold
+  (``prompt_bound``: a token is at least a byte of text; the prediction grows
+  with the prompt, and an auto target may too).  A chat request's prompt is
+  not bounded this way (its template adds tokens), so only the first rule applies
+  to it.  After ``EARLY_SHED_S`` the next request of the class goes the full path, and
+  its refusal renews the floor.
+
+Each costs the API process ~0.25 ms instead of ~0.6 (same machines).
+
+What the full path does first still comes first: a draining server or a dead
+engine answers 503, and a request whose key does not authenticate or whose
+header names no class goes the full path (401, 400).  What it would check
+after is skipped, so a request shed early is answered 429 even where its body
+would have been answered 400 or 404: the 429's ``Retry-After`` is the same
+jittered one, and a retry gets the full path's answer.  A class given in the
+body only is not known here, so that request goes the full path.  The request
+is counted as the full path counts it (``sluice_requests_total``,
+``sluice_admission_rejected_total``, the class's SLO attainment) and logged with
+``"early_shed": true``; it gets no trace span.  P0 is never refused this way
+(no class is above it).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sluice.errors import OverloadedError, SluiceError
+from sluice.http_errors import error_headers
+from sluice.obs.logging import REQUEST_LOGGER
+from sluice.types import Priority, parse_priority
+
+if TYPE_CHECKING:
+    from sluice.auth import KeyInfo
+    from sluice.server.state import ServerState
+
+__all__ = ["EarlyShedMiddleware", "ROUTES", "prompt_bound"]
+
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+SPECIAL_TOKENS = 4  # at most this many tokens a tokenizer adds to a completion prompt (BOS, EOS)
+request_log = logging.getLogger(REQUEST_LOGGER)
+_json = msgspec.json.Encoder()
+
+
+class EarlyShedMiddleware:
+    """NOTE(early-shed): a 429 before the body is read, for a request that admission refuses whatever it says."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        caller = self._caller(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if caller is not None:
+            key, priority = caller
+            admission = self.state.admission
+            refused = admission.refuse_early(priority)
+            if refused is None and scope["path"] == "/v1/completions" and admission.has_floor(priority):
+                body, receive = await _buffered(receive, self.state.settings.max_request_bytes)
+                bound = None if body is None else prompt_bound(body)
+                if bound is not None:
+                    refused = admission.refuse_early(priority, bound)
+            if refused is not None:
+                await self._answer(scope, send, refused, key, priority)
+                return
+        await self.app(scope, receive, send)
+
+    def _caller(self, scope: Scope) -> tuple[KeyInfo, Priority] | None:
+        """The key and class of a completion request whose class is in its header; None: the full path decides."""
+        serving = self.state.serving
+        if serving is None or scope["path"] not in ROUTES:
+            return None
+        header = authorization = None
+        for k, v in scope["headers"]:
+            if k == b"x-priority":
+                header = v.decode("latin-1")
+            elif k == b"authorization":
+                authorization = v.decode("latin-1")
+        if header is None:
+            return None
+        try:
+            serving.check_available()
+            key = serving.keys.authenticate(authorization)
+            priority = key.cap(parse_priority(header))
+        except (SluiceError, ValueError):
+            return None  # the full path answers it (503, 401, 400)
+        return key, priority
+
+    async def _answer(self, scope: Scope, send: Send, e: OverloadedError, key: KeyInfo, priority: Priority) -> None:
+        label, metrics = priority.label, self.state.metrics
+        metrics.observe_rejected(label, e.code or "overloaded")
+        metrics.count_request(e.status_code, label)
+        metrics.observe_slo(label, False)
+        meta: dict[str, Any] = scope.get("state", {}).get("sluice", {})  # RequestIdMiddleware's
+        request_log.info("request", extra={"fields": {
+            "request_id": meta.get("request_id"), "status": e.status_code, "priority": label, "key": key.name,
+            "early_shed": True, "error": e.message}})  # fmt: skip
+        body = _json.encode(e.to_openai())
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.encode(), v.encode()) for k, v in error_headers(e).items()]
+        await send({"type": "http.response.start", "status": e.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _Completion(msgspec.Struct):
+    prompt: str | list[str | int | list[int]] = ""
+    n: int = 1
+
+
+_decode_completion = msgspec.json.Decoder(_Completion)
+
+
+def prompt_bound(body: bytes) -> int | None:
+    """At most how many prompt tokens a completion request's body holds, times its choices (as admission counts
+    them); None when the body does not parse (the full path answers it).  A token is at least one byte of text,
+    and the tokenizer adds at most ``SPECIAL_TOKENS`` to a text prompt."""
+    try:
+        req = _decode_completion.decode(body)
+    except msgspec.DecodeError:
+        return None
+    items = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    tokens = sum(len(p.encode()) + SPECIAL_TOKENS if isinstance(p, str) else 1 if isinstance(p, int) else len(p)
+                 for p in items)  # fmt: skip
+    return max(1, tokens) * max(1, req.n)
+
+
+async def _buffered(receive: Receive, limit: int) -> tuple[bytes | None, Receive]:
+    """Read the request's body (None: over ``limit`` bytes, or the client went away) and a ``receive`` that
+    gives the app the same messages again, then the rest."""
+    messages: list[Message] = []
+    size, complete = 0, False
+    while size <= limit:
+        msg = await receive()
+        messages.append(msg)
+        if msg["type"] != "http.request":
+            break
+        size += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            complete = size <= limit
+            break
+    pending = collections.deque(messages)
+
+    async def replay() -> Message:
+        return pending.popleft() if pending else await receive()
+
+    return (b"".join(m.get("body", b"") for m in messages) if complete else None), replay

@@ -1,0 +1,116 @@
+"""NOTE(early-shed): a request that admission refuses whatever its body says is answered 429 before the app
+parses it; anything else goes the full path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from sluice.errors import OverloadedError
+from sluice.server import admission as admission_mod
+from sluice.server.early_shed import SPECIAL_TOKENS, prompt_bound
+from sluice.types import Priority
+from tests.server.slo_fakes import FakeClock, controller, stats
+
+
+def test_the_prompt_bound_counts_bytes_of_text_token_ids_and_choices() -> None:
+    assert prompt_bound(b'{"prompt": "abc", "max_tokens": 16}') == 3 + SPECIAL_TOKENS
+    assert prompt_bound('{"prompt": "é"}'.encode()) == 2 + SPECIAL_TOKENS, "UTF-8 bytes: a token is at least one"
+    assert prompt_bound(b'{"prompt": ["ab", "cde"], "n": 2}') == 2 * (5 + 2 * SPECIAL_TOKENS)
+    assert prompt_bound(b'{"prompt": [1, 2, 3]}') == 3 and prompt_bound(b'{"prompt": [[1, 2], [3]]}') == 3
+    assert prompt_bound(b"not json") is None and prompt_bound(b'{"prompt": 5}') is None
+
+
+def _refused_p1(clock: FakeClock, slo: str, backlog: int) -> admission_mod.AdmissionController:
+    a = controller(slo, clock)
+    a.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, backlog, 0]))
+    with pytest.raises(OverloadedError):  # behind the P1 backlog: over P1's target
+        a.admit("p1", Priority.P1, 116, 100)
+    return a
+
+
+def test_a_class_refused_for_its_wait_is_refused_early_by_its_one_token_best_case_less_the_time_since() -> None:
+    probe = controller("p0=1s,p2=100s", FakeClock())
+    probe.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, 300, 0]))
+    floor = probe.predict(probe.load(), Priority.P1, 1)  # nothing queued below P1 to shed: the best case
+    clock = FakeClock()
+    a = _refused_p1(clock, f"p0=1s,p1={floor - 0.1:.4f}s,p2=100s", 300)  # the floor is 0.1 s over P1's target
+    e = a.refuse_early(Priority.P1, 10)
+    assert e is not None and e.code == "slo_unattainable" and e.retry_after is not None and e.retry_after >= 1.0
+    assert a.refuse_early(Priority.P1) is None, "with no bound on its prompt a P1 is parsed"
+    assert a.refuse_early(Priority.P0, 10) is None, "P0 is never refused early"
+    assert a.refuse_early(Priority.P2) is not None, "NOTE(refused-above): any P2 while P1 is refused"
+    clock.now += 0.09
+    assert a.refuse_early(Priority.P1, 10) is not None
+    clock.now += 0.02
+    assert a.refuse_early(Priority.P1, 10) is None, "the floor less the 0.11 s since is within the target"
+    assert a.refuse_early(Priority.P2) is not None, "P2 still follows P1's refusal for REFUSED_ABOVE_S"
+
+
+def test_the_early_floor_lasts_early_shed_s_and_yields_to_a_longer_prompts_target() -> None:
+    clock = FakeClock()
+    a = _refused_p1(clock, "p0=1s,p1=0.2s,p2=100s", 3000)  # far over its target
+    assert a.refuse_early(Priority.P1, 10) is not None
+    clock.now += admission_mod.EARLY_SHED_S
+    assert a.refuse_early(Priority.P1, 10) is None, "stale: the next P1 goes the full path and refreshes it"
+    auto = _refused_p1(FakeClock(), "p0=1s,p2=100s", 3000)  # P1's target: max(2 s, 10 x its unloaded TTFT)
+    assert auto.refuse_early(Priority.P1, 10) is not None
+    assert auto.refuse_early(Priority.P1, 10**6) is None, "a prompt that long has a target past the floor"
+
+
+async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_counts_it(server_factory) -> None:
+    # one slot, 0.1 s steps: a P1 behind a running 20-token P1 waits ~2 s, over its 0.3 s target
+    srv = server_factory(step_delay=0.1, max_num_seqs=1, slo="p1=0.3s,p2=100s")
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+
+        async def go(priority: str | None, body: object, **headers: str) -> httpx.Response:
+            h = {"x-priority": priority} if priority else {}
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            return await c.post("/v1/completions", headers={**h, **headers}, **kw)
+
+        running = asyncio.create_task(go("p1", {"prompt": "x", "max_tokens": 20}))
+        deadline = time.monotonic() + 10
+        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        full = await go("p1", {"prompt": "x", "max_tokens": 2})
+        assert full.status_code == 429 and "over the p1 target" in full.text, "the full path refuses, by prediction"
+        # what the full path would answer 400 is shed early: its body is not validated
+        p2 = await go("p2", b"not json", **{"x-request-id": "early-1"})
+        assert p2.status_code == 429 and p2.json()["error"]["code"] == "slo_unattainable"
+        assert "p1 requests are being refused" in p2.json()["error"]["message"]
+        assert int(p2.headers["retry-after"]) >= 1 and p2.headers["x-request-id"] == "early-1"
+        p1 = await go("p1", {"prompt": "x", "max_tokens": -5})
+        assert p1.status_code == 429 and "at least" in p1.json()["error"]["message"], "its own class's floor"
+        # the full path still decides the rest
+        assert (await go(None, b"not json")).status_code == 400, "no class header: parsed (the body may name one)"
+        assert (await go("p0", b"not json")).status_code == 400, "P0 is never shed early"
+        assert (await go("p1", b"not json")).status_code == 400, "a P1 body that does not parse has no bound"
+        assert (await go("p9", b"not json")).status_code == 400, "no such class"
+        assert (await go("p2", {"prompt": "x", "max_tokens": 1})).status_code == 429
+        assert (await running).status_code == 200
+        text = (await c.get("/metrics")).text
+    assert 'sluice_admission_rejected_total{priority="p2",reason="slo_unattainable"} 2.0' in text
+    assert 'sluice_admission_rejected_total{priority="p1",reason="slo_unattainable"} 2.0' in text
+    assert 'sluice_requests_total{priority="p2",status="429"} 2.0' in text
+    assert 'sluice_slo_requests_total{priority="p2"} 2.0' in text
+
+
+async def test_a_key_that_does_not_authenticate_is_answered_401_not_shed(server_factory) -> None:
+    srv = server_factory(step_delay=0.1, max_num_seqs=1, slo="p1=0.3s,p2=100s", api_key=["sk-test-key"])
+    auth = {"authorization": "Bearer sk-test-key"}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        running = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 20},
+                                             headers={"x-priority": "p1", **auth}))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-priority": "p1", **auth})
+        assert r.status_code == 429
+        bad = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-priority": "p2"})
+        assert bad.status_code == 401, bad.text
+        ok = await c.post("/v1/completions", content=b"{", headers={"x-priority": "p2", **auth})
+        assert ok.status_code == 429, "the same request with its key is shed early"
+        assert (await running).status_code == 200
