@@ -114,3 +114,25 @@ async def test_a_key_that_does_not_authenticate_is_answered_401_not_shed(server_
         ok = await c.post("/v1/completions", content=b"{", headers={"x-priority": "p2", **auth})
         assert ok.status_code == 429, "the same request with its key is shed early"
         assert (await running).status_code == 200
+
+
+def test_the_body_read_for_the_bound_is_given_to_the_app_again() -> None:
+    from sluice.server.early_shed import _buffered
+
+    async def run(limit: int) -> tuple[bytes | None, list[dict[str, object]]]:
+        messages = [{"type": "http.request", "body": b"ab", "more_body": True},
+                    {"type": "http.request", "body": b"cd", "more_body": True},
+                    {"type": "http.request", "body": b"e", "more_body": False},
+                    {"type": "http.disconnect"}]  # fmt: skip
+
+        async def receive() -> dict[str, object]:
+            return messages.pop(0)
+
+        body, replay = await _buffered(receive, limit)
+        return body, [await replay() for _ in range(4)]
+
+    body, seen = asyncio.run(run(100))
+    assert body == b"abcde" and [m.get("body") for m in seen] == [b"ab", b"cd", b"e", None]
+    body, seen = asyncio.run(run(3))
+    assert body is None, "over the limit: no bound, the full path answers it"
+    assert [m.get("body") for m in seen] == [b"ab", b"cd", b"e", None], "what was read, then the rest"
