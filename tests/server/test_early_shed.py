@@ -11,7 +11,8 @@ import pytest
 
 from sluice.errors import OverloadedError
 from sluice.server import admission as admission_mod
-from sluice.server.early_shed import SPECIAL_TOKENS, prompt_bound
+from sluice.server.early_shed import SPECIAL_TOKENS, ChatBound, prompt_bound
+from sluice.server.testing import FakeCodec
 from sluice.types import Priority
 from tests.server.slo_fakes import FakeClock, controller, stats
 
@@ -22,6 +23,42 @@ def test_the_prompt_bound_counts_bytes_of_text_token_ids_and_choices() -> None:
     assert prompt_bound(b'{"prompt": ["ab", "cde"], "n": 2}') == 2 * (5 + 2 * SPECIAL_TOKENS)
     assert prompt_bound(b'{"prompt": [1, 2, 3]}') == 3 and prompt_bound(b'{"prompt": [[1, 2], [3]]}') == 3
     assert prompt_bound(b"not json") is None and prompt_bound(b'{"prompt": 5}') is None
+
+
+class _CountingCodec(FakeCodec):
+    """The fake byte codec; its template wraps each message and adds a system prompt when there is none."""
+
+    def __init__(self) -> None:
+        self.renders = 0
+
+    def apply_chat_template(self, messages: list[dict[str, object]], add_generation_prompt: bool = True) -> str:
+        self.renders += 1
+        if any(m["role"] == "tool" for m in messages):
+            raise ValueError("this template has no tool role")
+        head = "" if messages[0]["role"] == "system" else "<s>system: You are helpful.</s>"
+        return head + "".join(f"<s>{m['role']}: {m['content']}</s>" for m in messages) + ("<a>" if add_generation_prompt else "")
+
+
+def test_the_chat_bound_is_the_templates_own_tokens_plus_the_contents_bytes() -> None:
+    import json
+
+    codec, cb = _CountingCodec(), ChatBound()
+    convos = [[{"role": "user", "content": "héllo there"}],
+              [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+              [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, {"role": "user", "content": "b" * 50}]]  # fmt: skip
+    for msgs in convos:
+        text_msgs = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                      "".join(p["text"] for p in m["content"] or [])} for m in msgs]  # fmt: skip
+        real = len(codec.encode(codec.apply_chat_template(text_msgs), add_special_tokens=False))
+        bound = cb.bound(json.dumps({"messages": msgs}).encode(), codec)
+        assert bound is not None and real <= bound <= real + ChatBound.JOIN_SLACK * len(msgs), (real, bound)
+        assert cb.bound(json.dumps({"messages": msgs, "n": 3}).encode(), codec) == 3 * bound
+    renders = codec.renders
+    assert cb.bound(json.dumps({"messages": [{"role": "user", "content": "other words"}]}).encode(), codec)
+    assert codec.renders == renders, "one render per sequence of roles"
+    assert cb.bound(json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), codec) is None, (
+        "a template that refuses the roles: the full path answers")
+    assert cb.bound(b'{"messages": []}', codec) is None and cb.bound(b"{", codec) is None
 
 
 def _refused_p1(clock: FakeClock, slo: str, backlog: int) -> admission_mod.AdmissionController:
@@ -88,12 +125,15 @@ async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_c
         assert (await go(None, b"not json")).status_code == 400, "no class header: parsed (the body may name one)"
         assert (await go("p0", b"not json")).status_code == 400, "P0 is never shed early"
         assert (await go("p1", b"not json")).status_code == 400, "a P1 body that does not parse has no bound"
+        chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": -5},
+                            headers={"x-priority": "p1"})  # fmt: skip
+        assert chat.status_code == 429 and "at least" in chat.json()["error"]["message"], "a chat P1: its own floor"
         assert (await go("p9", b"not json")).status_code == 400, "no such class"
         assert (await go("p2", {"prompt": "x", "max_tokens": 1})).status_code == 429
         assert (await running).status_code == 200
         text = (await c.get("/metrics")).text
     assert 'sluice_admission_rejected_total{priority="p2",reason="slo_unattainable"} 2.0' in text
-    assert 'sluice_admission_rejected_total{priority="p1",reason="slo_unattainable"} 2.0' in text
+    assert 'sluice_admission_rejected_total{priority="p1",reason="slo_unattainable"} 3.0' in text
     assert 'sluice_requests_total{priority="p2",status="429"} 2.0' in text
     assert 'sluice_slo_requests_total{priority="p2"} 2.0' in text
 
