@@ -97,8 +97,6 @@ class EngineCore:
         )
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own, when seeded
         self._pending_aborts: list[str] = []
-        self._num_steps = 0
-        self._num_batched_tokens_total = 0  # every step's, nested ones too
         self._last_step_time = 0.0
         self._last_batched = 0
         self._last_budget = config.max_num_batched_tokens
@@ -108,8 +106,6 @@ class EngineCore:
         self._busy = [0.0, 0.0, 0.0]  # NOTE(step-kinds): cumulative seconds, tokens and steps by STEP_KINDS
         self._tokens_by_kind = [0, 0, 0]
         self._steps_by_kind = [0, 0, 0]
-        self.num_express_steps = 0
-        self.num_mid_step_express = 0  # express steps run between two layers of another step
         self._arrivals: Callable[[], None] | None = None  # NOTE(mid-step-express): set_arrivals()
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self._mid_step_time = 0.0  # seconds the step in flight spent in nested express steps
@@ -208,11 +204,9 @@ class EngineCore:
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
             express = False
             sched = self.scheduler.schedule(budget)
-        self.num_express_steps += express
         if not sched.is_empty:
             self._mid_step_time, self._step_budget = 0.0, budget
             outputs += self._run(sched, self._mid_step if self._mid_step_on and not express else None)
-            self._num_steps += 1
             self._last_batched = sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = self.scheduler.clock()
@@ -261,10 +255,24 @@ class EngineCore:
         self._busy[kind] += seconds
         self._tokens_by_kind[kind] += num_tokens
         self._steps_by_kind[kind] += 1
-        self._num_batched_tokens_total += num_tokens
         share = self._express_time  # EXPRESS_SHARE bounds the express part of the recent time
         share[0] = share[0] * EXPRESS_DECAY + (seconds if kind != _NORMAL else 0.0)
         share[1] = share[1] * EXPRESS_DECAY + seconds
+
+    @property
+    def _num_steps(self) -> int:
+        """Steps run, not counting the express steps nested in them."""
+        return self._steps_by_kind[_NORMAL] + self._steps_by_kind[_EXPRESS]
+
+    @property
+    def num_express_steps(self) -> int:
+        """Express steps run, at step boundaries and nested (NOTE(express-step))."""
+        return self._steps_by_kind[_EXPRESS] + self._steps_by_kind[_NESTED]
+
+    @property
+    def num_mid_step_express(self) -> int:
+        """Express steps run between two layers of another step (NOTE(mid-step-express))."""
+        return self._steps_by_kind[_NESTED]
 
     @property
     def _mid_step_on(self) -> bool:
@@ -304,8 +312,6 @@ class EngineCore:
         t1 = self.scheduler.clock()
         self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
         self._mid_step_time += t1 - t0
-        self.num_express_steps += 1
-        self.num_mid_step_express += 1
         self._count_step(_NESTED, t1 - t0, sched.num_batched_tokens)
         self._release_finished(outputs)
         self._publish(outputs)
@@ -510,7 +516,7 @@ class EngineCore:
             num_steps=self._num_steps,
             step_time=self._last_step_time,
             num_batched_tokens=self._last_batched,
-            num_batched_tokens_total=self._num_batched_tokens_total,
+            num_batched_tokens_total=sum(self._tokens_by_kind),  # every step's, nested ones too
             busy_seconds_by_kind=list(self._busy),
             batched_tokens_by_kind=list(self._tokens_by_kind),
             steps_by_kind=list(self._steps_by_kind),

@@ -237,7 +237,7 @@ class AdmissionController:
         self._fast_since = float("-inf")  # the 1-s averages restarted here: a busy period's start (NOTE(surge-onset))
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
-        self._floor = [(float("-inf"), 0.0) for _ in Priority]  # ... and its 1-token best case (NOTE(early-shed))
+        self._floor = [0.0 for _ in Priority]  # ... and that refusal's 1-token best case (NOTE(early-shed))
         self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
         self._p0_margin = (1.0, 0.0)  # ... the factor on P0's predictions it set, and when
@@ -502,7 +502,7 @@ class AdmissionController:
         if best_case > target:
             self._refused_at[priority] = now
             if priority != Priority.P0:  # NOTE(early-shed): what any prompt of the class is predicted at least
-                self._floor[priority] = (now, best_case if prompt <= 1 else self.predict(best, priority, 1))
+                self._floor[priority] = best_case if prompt <= 1 else self.predict(best, priority, 1)
             raise OverloadedError(
                 f"predicted time to first token {predicted:.2f} s is over the {priority.label} target "
                 f"of {target:.2f} s; retry later",
@@ -525,8 +525,7 @@ class AdmissionController:
         refused = self._refused_above(priority, now)
         if refused is not None or max_prompt_tokens is None or not self.has_floor(priority):
             return refused
-        at, floor = self._floor[priority]
-        floor -= now - at
+        floor = self._floor[priority] - (now - self._refused_at[priority])
         target = self.target(priority, max_prompt_tokens)
         if target is None or floor <= target:
             return None
@@ -536,7 +535,7 @@ class AdmissionController:
 
     def has_floor(self, priority: Priority) -> bool:
         """A refusal of the class by predicted wait in the last ``EARLY_SHED_S`` may refuse it early (NOTE(early-shed))."""
-        return priority != Priority.P0 and self._clock() - self._floor[priority][0] < EARLY_SHED_S
+        return priority != Priority.P0 and self._clock() - self._refused_at[priority] < EARLY_SHED_S
 
     def _refused_above(self, priority: Priority, now: float) -> OverloadedError | None:
         """NOTE(refused-above): a higher class was refused for its predicted wait in the last ``REFUSED_ABOVE_S``."""
