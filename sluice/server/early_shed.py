@@ -52,7 +52,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.errors import OverloadedError, SluiceError
-from sluice.http_errors import error_headers
+from sluice.http_errors import error_response
 from sluice.obs.logging import REQUEST_LOGGER
 from sluice.types import Priority, parse_priority
 
@@ -66,7 +66,6 @@ __all__ = ["ChatBound", "EarlyShedMiddleware", "ROUTES", "prompt_bound"]
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 SPECIAL_TOKENS = 4  # at most this many tokens a tokenizer adds to a completion prompt (BOS, EOS)
 request_log = logging.getLogger(REQUEST_LOGGER)
-_json = msgspec.json.Encoder()
 
 
 class EarlyShedMiddleware:
@@ -88,7 +87,7 @@ class EarlyShedMiddleware:
                 if bound is not None:
                     refused = admission.refuse_early(priority, bound)
             if refused is not None:
-                await self._answer(scope, send, refused, key, priority)
+                await self._answer(scope, receive, send, refused, key, priority)
                 return
         await self.app(scope, receive, send)
 
@@ -119,7 +118,8 @@ class EarlyShedMiddleware:
             return None  # the full path answers it (503, 401, 400)
         return key, priority
 
-    async def _answer(self, scope: Scope, send: Send, e: OverloadedError, key: KeyInfo, priority: Priority) -> None:
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, e: OverloadedError, key: KeyInfo,
+                      priority: Priority) -> None:  # fmt: skip
         label, metrics = priority.label, self.state.metrics
         metrics.observe_rejected(label, e.code or "overloaded")
         metrics.count_request(e.status_code, label)
@@ -128,11 +128,7 @@ class EarlyShedMiddleware:
         request_log.info("request", extra={"fields": {
             "request_id": meta.get("request_id"), "status": e.status_code, "priority": label, "key": key.name,
             "early_shed": True, "error": e.message}})  # fmt: skip
-        body = _json.encode(e.to_openai())
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.encode(), v.encode()) for k, v in error_headers(e).items()]
-        await send({"type": "http.response.start", "status": e.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await error_response(e)(scope, receive, send)  # the full path's 429; RequestIdMiddleware adds the id
 
 
 class _Completion(msgspec.Struct):
