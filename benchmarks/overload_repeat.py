@@ -135,7 +135,8 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 _KINDS = ("normal", "express", "nested")  # the engine's kinds of step (NOTE(step-kinds) in sluice.engine.core)
-_BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total")
+_BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total",
+            "sluice_engine_steps_by_kind_total")
 
 
 async def _step_totals(url: str) -> dict[str, float]:
@@ -157,7 +158,9 @@ def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -
         key = f'{{kind="{k}"}}'
         sec = after.get(_BY_KIND[0] + key, 0.0) - before.get(_BY_KIND[0] + key, 0.0)
         tok = after.get(_BY_KIND[1] + key, 0.0) - before.get(_BY_KIND[1] + key, 0.0)
-        out[k] = {"busy_share": sec / wall if wall > 0 else 0.0, "ms_per_token": 1e3 * sec / tok if tok else 0.0}
+        steps = after.get(_BY_KIND[2] + key, 0.0) - before.get(_BY_KIND[2] + key, 0.0)
+        out[k] = {"busy_share": sec / wall if wall > 0 else 0.0, "ms_per_token": 1e3 * sec / tok if tok else 0.0,
+                  "steps_per_s": steps / wall if wall > 0 else 0.0}
     return out
 
 
@@ -246,7 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"({run_['p0_refused']:.1%} refused), P1 served {p1_served:.1f}/s, goodput "
                   f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%} "
                   f"neighbour {run_['cpu_neighbour']:.0%}; engine busy {_kinds_cell(kinds, 'busy_share')}, "
-                  f"ms/token {_kinds_cell(kinds, 'ms_per_token')}",
+                  f"ms/token {_kinds_cell(kinds, 'ms_per_token')}, steps/s {_kinds_cell(kinds, 'steps_per_s')}",
                   file=sys.stderr)  # fmt: skip
             if args.timeline:
                 run_["timeline"] = _timeline(samples, records, targets)
@@ -256,11 +259,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _kinds_cell(kinds: dict[str, dict[str, float]] | None, field: str) -> str:
-    """normal / express / nested, as shares of the run or ms per token."""
+    """normal / express / nested, as shares of the run, ms per token or steps a second."""
     if not kinds:
         return "-"
     if field == "busy_share":
         return " / ".join(f"{kinds[k][field]:.0%}" for k in _KINDS)
+    if field == "steps_per_s":
+        return " / ".join(f"{kinds[k].get(field, 0.0):.1f}" for k in _KINDS)
     return " / ".join(f"{kinds[k][field]:.2f}" if kinds[k][field] else "-" for k in _KINDS)
 
 
@@ -270,12 +275,14 @@ def table(result: dict[str, Any]) -> str:
              f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
              f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}",
              f"{r.get('cpu_neighbour', 0.0):.0%}", _kinds_cell(r.get("steps"), "busy_share"),
-             _kinds_cell(r.get("steps"), "ms_per_token")] for r in result["runs"]]  # fmt: skip
+             _kinds_cell(r.get("steps"), "ms_per_token"), _kinds_cell(r.get("steps"), "steps_per_s")]
+            for r in result["runs"]]  # fmt: skip
     return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 refused", "P0 TTFT p99 (ms)",
                            "P1 served (req/s)",
                            "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client",
                            "CPU neighbour", "engine busy: normal / express / nested",
-                           "ms per batched token: normal / express / nested"], rows)  # fmt: skip
+                           "ms per batched token: normal / express / nested",
+                           "steps a second: normal / express / nested"], rows)  # fmt: skip
 
 
 def main() -> None:

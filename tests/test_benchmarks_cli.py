@@ -441,13 +441,17 @@ def test_overload_repeat_reports_the_engines_time_and_token_cost_by_kind_of_step
 
     sec, tok = (f"{m}{{kind=\"{k}\"}}" for m, k in zip(overload_repeat._BY_KIND, ("normal", "normal")))
     before = {sec: 1.0, tok: 100.0, 'sluice_engine_busy_seconds_total{kind="nested"}': 0.5,
-              'sluice_engine_batched_tokens_by_kind_total{kind="nested"}': 40.0}  # fmt: skip
+              'sluice_engine_batched_tokens_by_kind_total{kind="nested"}': 40.0,
+              'sluice_engine_steps_by_kind_total{kind="nested"}': 10.0}  # fmt: skip
     after = {sec: 7.0, tok: 10100.0, 'sluice_engine_busy_seconds_total{kind="nested"}': 3.5,
-             'sluice_engine_batched_tokens_by_kind_total{kind="nested"}': 4040.0}  # fmt: skip
+             'sluice_engine_batched_tokens_by_kind_total{kind="nested"}': 4040.0,
+             'sluice_engine_steps_by_kind_total{kind="nested"}': 260.0}  # fmt: skip
     kinds = overload_repeat.step_kinds(before, after, wall=10.0)
-    assert kinds["normal"] == {"busy_share": pytest.approx(0.6), "ms_per_token": pytest.approx(0.6)}
-    assert kinds["nested"] == {"busy_share": pytest.approx(0.3), "ms_per_token": pytest.approx(0.75)}
-    assert kinds["express"] == {"busy_share": 0.0, "ms_per_token": 0.0}, "no express step: no cost to show"
+    assert kinds["normal"] == {"busy_share": pytest.approx(0.6), "ms_per_token": pytest.approx(0.6), "steps_per_s": 0.0}
+    assert kinds["nested"] == {"busy_share": pytest.approx(0.3), "ms_per_token": pytest.approx(0.75),
+                               "steps_per_s": pytest.approx(25.0)}  # fmt: skip
+    assert kinds["express"] == {"busy_share": 0.0, "ms_per_token": 0.0, "steps_per_s": 0.0}, "no express step: nothing to show"
+    assert overload_repeat._kinds_cell(kinds, "steps_per_s") == "0.0 / 0.0 / 25.0"
     assert overload_repeat.step_kinds(before, {}, 10.0) == {}, "a server without these metrics"
 
     totals = iter([before, after, {}, {}])
@@ -465,8 +469,8 @@ def test_overload_repeat_reports_the_engines_time_and_token_cost_by_kind_of_step
     out = asyncio.run(overload_repeat.run(_fake_overload_repeat(monkeypatch, lone_ttft, load_step)))
     rows = overload_repeat.table(out).splitlines()
     assert "ms per batched token: normal / express / nested" in rows[0]
-    assert rows[2].endswith("| 0.60 / - / 0.75 |"), rows[2]
-    assert rows[3].endswith("| - | - |"), "the second run's server exported nothing"
+    assert "| 0.60 / - / 0.75 | 0.0 / 0.0 / " in rows[2], rows[2]
+    assert rows[3].endswith("| - | - | - |"), "the second run's server exported nothing"
 
 
 def test_overload_repeat_children_include_the_process_itself() -> None:
