@@ -150,7 +150,8 @@ async def _step_totals(url: str) -> dict[str, float]:
 
 
 def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, dict[str, float]]:
-    """Per kind of step over a run: the share of the wall time the engine spent in it, and ms per batched token."""
+    """Per kind of step over a run: the share of the wall time the engine spent in it, ms per batched token, and
+    steps a second."""
     if not after:
         return {}
     out: dict[str, dict[str, float]] = {}
@@ -265,7 +266,7 @@ def _kinds_cell(kinds: dict[str, dict[str, float]] | None, field: str) -> str:
     if field == "busy_share":
         return " / ".join(f"{kinds[k][field]:.0%}" for k in _KINDS)
     if field == "steps_per_s":
-        return " / ".join(f"{kinds[k].get(field, 0.0):.1f}" for k in _KINDS)
+        return " / ".join(f"{kinds[k][field]:.1f}" if field in kinds[k] else "-" for k in _KINDS)
     return " / ".join(f"{kinds[k][field]:.2f}" if kinds[k][field] else "-" for k in _KINDS)
 
 
