@@ -17,7 +17,7 @@ took (the engine core process, the API process, this load generator; from
 so its share is an upper bound of its work), and where the engine's time went
 by kind of step (normal, express at a step boundary, nested mid-step; from
 ``/metrics``, NOTE(step-kinds) in sluice.engine.core): the share of the run
-each took, and the milliseconds each batched token cost in it.  ``--timeline`` adds, per second
+each took, the milliseconds each batched token cost in it, and the steps a second.  ``--timeline`` adds, per second
 of each run, the engine's waiting requests by class and the admission's
 predicted TTFT by class (``/metrics`` sampled every 0.1 s) beside what the
 clients saw.  Writes section ``overload_repeat`` of docs/benchmarks.md.
@@ -58,6 +58,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overload as ov  # noqa: E402
 from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+
+from sluice.engine.protocol import STEP_KINDS  # noqa: E402
 
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -134,14 +136,14 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-_KINDS = ("normal", "express", "nested")  # the engine's kinds of step (NOTE(step-kinds) in sluice.engine.core)
+_KINDS = STEP_KINDS  # the engine's kinds of step (NOTE(step-kinds) in sluice.engine.core)
 _BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total",
             "sluice_engine_steps_by_kind_total")
 
 
 async def _step_totals(url: str) -> dict[str, float]:
-    """The engine's cumulative seconds and batched tokens by kind of step, from ``/metrics`` (empty when the
-    server does not export them, e.g. an older build in an A/B)."""
+    """The engine's cumulative seconds, batched tokens and steps by kind of step, from ``/metrics`` (empty when
+    the server does not export them, e.g. an older build in an A/B)."""
     try:
         async with aiohttp.ClientSession() as s, asyncio.timeout(5), s.get(url + "/metrics") as r:
             return _gauges(await r.text(), _BY_KIND)
@@ -156,10 +158,8 @@ def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -
         return {}
     out: dict[str, dict[str, float]] = {}
     for k in _KINDS:
-        key = f'{{kind="{k}"}}'
-        sec = after.get(_BY_KIND[0] + key, 0.0) - before.get(_BY_KIND[0] + key, 0.0)
-        tok = after.get(_BY_KIND[1] + key, 0.0) - before.get(_BY_KIND[1] + key, 0.0)
-        steps = after.get(_BY_KIND[2] + key, 0.0) - before.get(_BY_KIND[2] + key, 0.0)
+        sec, tok, steps = (after.get(f'{m}{{kind="{k}"}}', 0.0) - before.get(f'{m}{{kind="{k}"}}', 0.0)
+                           for m in _BY_KIND)  # fmt: skip
         out[k] = {"busy_share": sec / wall if wall > 0 else 0.0, "ms_per_token": 1e3 * sec / tok if tok else 0.0,
                   "steps_per_s": steps / wall if wall > 0 else 0.0}
     return out

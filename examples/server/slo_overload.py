@@ -5,8 +5,9 @@
 
 It starts the server with small step limits and explicit targets
 (``--slo p0=1s,p1=2s,p2=3s``), sends 120 p2 requests at once (about twice what
-4 slots serve within the 3-s target) and then 5 p0 requests, and prints what each class got and the server's own view of it
-(``/metrics``: predicted TTFT, rejections, attainment).  Each 429 is counted by
+4 slots serve within the 3-s target) and then 5 p0 requests, and prints what
+each class got and the server's own view of it (``/metrics``: predicted TTFT,
+rejections, attainment).  Each 429 is counted by
 its ``code``: ``slo_unattainable`` is answered on arrival (tens of ms); ``shed``
 is a queued p2 that made room for a p0; ``expired`` is one admitted on its
 prediction but still without a first token after twice its target (6 s here),

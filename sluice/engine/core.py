@@ -103,9 +103,9 @@ class EngineCore:
         self.step_model = StepTimeModel()
         self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
         self._express_time = [0.0, 0.0]  # decayed seconds of recent steps: express, all
-        self._busy = [0.0, 0.0, 0.0]  # NOTE(step-kinds): cumulative seconds, tokens and steps by STEP_KINDS
-        self._tokens_by_kind = [0, 0, 0]
-        self._steps_by_kind = [0, 0, 0]
+        self._busy = [0.0, 0.0, 0.0]  # NOTE(step-kinds): cumulative seconds by STEP_KINDS ...
+        self._tokens_by_kind = [0, 0, 0]  # ... batched tokens ...
+        self._steps_by_kind = [0, 0, 0]  # ... and steps
         self._arrivals: Callable[[], None] | None = None  # NOTE(mid-step-express): set_arrivals()
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self._mid_step_time = 0.0  # seconds the step in flight spent in nested express steps
