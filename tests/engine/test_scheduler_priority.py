@@ -493,7 +493,7 @@ def test_engine_caps_the_rows_of_a_step_while_tight_targets_are_about(tiny_llama
     assert _row_cap(engine) == 8, "a target too tight for any row: MIN_STEP_ROWS still run"
 
 
-def test_with_mid_step_express_steps_the_rows_may_take_two_thirds_of_the_target(tiny_llama: Path) -> None:
+def test_with_mid_step_express_steps_the_rows_take_two_thirds_of_the_target_and_a_step_half(tiny_llama: Path) -> None:
     engine = _engine(tiny_llama, max_num_batched_tokens=512)
     for n in (16, 256) * 4:
         engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token (a row costs b)
@@ -503,8 +503,11 @@ def test_with_mid_step_express_steps_the_rows_may_take_two_thirds_of_the_target(
     engine.set_arrivals(lambda: None, lambda outs: None)  # as the engine core process does: express steps mid-step
     # NOTE(row-cap): two thirds of 0.33 s = 220 ms, less the 26-ms step: 194 rows (a P0 does not wait out the step)
     assert _row_cap(engine) in (193, 194)
+    # NOTE(step-cap): the prefill tokens, half of 0.33 s = 165 ms less the 10-ms fixed cost: 155 tokens
+    assert _budget(engine) in (154, 155)
     engine.config.express_mid_step = False  # --no-express-mid-step
     assert _row_cap(engine) == 84
+    assert _budget(engine) == 100, "at step boundaries only: a third of the target"
 
 
 def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_llama: Path) -> None:
