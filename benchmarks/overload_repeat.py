@@ -136,7 +136,6 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-_KINDS = STEP_KINDS  # the engine's kinds of step (NOTE(step-kinds) in sluice.engine.core)
 _BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total",
             "sluice_engine_steps_by_kind_total")
 
@@ -157,7 +156,7 @@ def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -
     if not after:
         return {}
     out: dict[str, dict[str, float]] = {}
-    for k in _KINDS:
+    for k in STEP_KINDS:
         sec, tok, steps = (after.get(f'{m}{{kind="{k}"}}', 0.0) - before.get(f'{m}{{kind="{k}"}}', 0.0)
                            for m in _BY_KIND)  # fmt: skip
         out[k] = {"busy_share": sec / wall if wall > 0 else 0.0, "ms_per_token": 1e3 * sec / tok if tok else 0.0,
@@ -264,10 +263,10 @@ def _kinds_cell(kinds: dict[str, dict[str, float]] | None, field: str) -> str:
     if not kinds:
         return "-"
     if field == "busy_share":
-        return " / ".join(f"{kinds[k][field]:.0%}" for k in _KINDS)
+        return " / ".join(f"{kinds[k][field]:.0%}" for k in STEP_KINDS)
     if field == "steps_per_s":
-        return " / ".join(f"{kinds[k][field]:.1f}" if field in kinds[k] else "-" for k in _KINDS)
-    return " / ".join(f"{kinds[k][field]:.2f}" if kinds[k][field] else "-" for k in _KINDS)
+        return " / ".join(f"{kinds[k][field]:.1f}" if field in kinds[k] else "-" for k in STEP_KINDS)
+    return " / ".join(f"{kinds[k][field]:.2f}" if kinds[k][field] else "-" for k in STEP_KINDS)
 
 
 def table(result: dict[str, Any]) -> str:
