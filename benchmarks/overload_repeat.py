@@ -138,6 +138,7 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 _BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total",
             "sluice_engine_steps_by_kind_total")
+_POOL = ("sluice_engine_pool_wait_seconds_total", "sluice_engine_pool_stalls_total")  # NOTE(pool-waits)
 
 
 async def _step_totals(url: str) -> dict[str, float]:
@@ -145,7 +146,7 @@ async def _step_totals(url: str) -> dict[str, float]:
     the server does not export them, e.g. an older build in an A/B)."""
     try:
         async with aiohttp.ClientSession() as s, asyncio.timeout(5), s.get(url + "/metrics") as r:
-            return _gauges(await r.text(), _BY_KIND)
+            return _gauges(await r.text(), _BY_KIND + _POOL)
     except (aiohttp.ClientError, TimeoutError):
         return {}
 
@@ -162,6 +163,16 @@ def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -
         out[k] = {"busy_share": sec / wall if wall > 0 else 0.0, "ms_per_token": 1e3 * sec / tok if tok else 0.0,
                   "steps_per_s": steps / wall if wall > 0 else 0.0}
     return out
+
+
+def pool_waits(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
+    """Over a run: the share of it the engine's kernel loops waited for chunks another thread held, and the
+    stalls (waits of 0.5 ms or more) a second (NOTE(pool-waits) in sluice/kernels/csrc/work_pool.h); empty
+    when the server does not export them."""
+    if _POOL[0] not in after or wall <= 0:
+        return {}
+    wait, stalls = (after[m] - before.get(m, 0.0) for m in _POOL)
+    return {"wait_share": wait / wall, "stalls_per_s": stalls / wall}
 
 
 _TIMELINE = ("sluice_num_requests_waiting_by_priority", "sluice_predicted_ttft_seconds",
@@ -230,7 +241,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if sampler is not None:
                 sampler.cancel()
             wall = time.perf_counter() - t0
-            kinds = step_kinds(steps_before, await _step_totals(server.url), wall)
+            steps_after = await _step_totals(server.url)
+            kinds = step_kinds(steps_before, steps_after, wall)
             api = (_cpu_seconds(server.procs[0].pid) - before[server.procs[0].pid]) / wall
             eng = sum(_cpu_seconds(p) - before[p] for p in engine) / wall
             s = ov.summarize(records, health, targets, args.step_s)
@@ -243,13 +255,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p1_served_rps": p1_served, "p1_within_rps": (p1["attainment"] or 0.0) * p1_sent / args.step_s,
                     "goodput_rps": s["goodput_rps"], "cpu_engine": eng, "cpu_api": api,
                     "cpu_client": (time.process_time() - me) / wall, "cpu_neighbour": nb_cpu / wall,
-                    "steps": kinds}  # fmt: skip
+                    "steps": kinds, "pool": pool_waits(steps_before, steps_after, wall)}  # fmt: skip
             runs.append(run_)
             print(f"  run {k + 1} (seed {seed}, lone TTFT before it {probe * 1000:.1f} ms): P0 {p0['attainment']:.1%} "
                   f"({run_['p0_refused']:.1%} refused), P1 served {p1_served:.1f}/s, goodput "
                   f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%} "
                   f"neighbour {run_['cpu_neighbour']:.0%}; engine busy {_kinds_cell(kinds, 'busy_share')}, "
-                  f"ms/token {_kinds_cell(kinds, 'ms_per_token')}, steps/s {_kinds_cell(kinds, 'steps_per_s')}",
+                  f"ms/token {_kinds_cell(kinds, 'ms_per_token')}, steps/s {_kinds_cell(kinds, 'steps_per_s')}, "
+                  f"pool waits {_pool_cell(run_['pool'])}",
                   file=sys.stderr)  # fmt: skip
             if args.timeline:
                 run_["timeline"] = _timeline(samples, records, targets)
@@ -269,20 +282,27 @@ def _kinds_cell(kinds: dict[str, dict[str, float]] | None, field: str) -> str:
     return " / ".join(f"{kinds[k][field]:.2f}" if kinds[k][field] else "-" for k in STEP_KINDS)
 
 
+def _pool_cell(pool: dict[str, float] | None) -> str:
+    """The pool's waits as a share of the run, and its stalls a second."""
+    return f"{pool['wait_share']:.1%} / {pool['stalls_per_s']:.0f}" if pool else "-"
+
+
 def table(result: dict[str, Any]) -> str:
     rows = [[r["run"], r["seed"], ov._fmt(r["lone_ttft_before_s"], 1000, 1), f"{(r['p0_attainment'] or 0):.1%}",
              f"{r.get('p0_refused', 0.0):.1%}", ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
              f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
              f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}",
              f"{r.get('cpu_neighbour', 0.0):.0%}", _kinds_cell(r.get("steps"), "busy_share"),
-             _kinds_cell(r.get("steps"), "ms_per_token"), _kinds_cell(r.get("steps"), "steps_per_s")]
+             _kinds_cell(r.get("steps"), "ms_per_token"), _kinds_cell(r.get("steps"), "steps_per_s"),
+             _pool_cell(r.get("pool"))]
             for r in result["runs"]]  # fmt: skip
     return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 refused", "P0 TTFT p99 (ms)",
                            "P1 served (req/s)",
                            "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client",
                            "CPU neighbour", "engine busy: normal / express / nested",
                            "ms per batched token: normal / express / nested",
-                           "steps a second: normal / express / nested"], rows)  # fmt: skip
+                           "steps a second: normal / express / nested",
+                           "pool waits: share of the run / stalls a second"], rows)  # fmt: skip
 
 
 def main() -> None:

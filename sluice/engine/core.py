@@ -505,6 +505,7 @@ class EngineCore:
 
     def make_stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
+        pool = self.runner.pool_waits()
         running = [0, 0, 0]
         prefill_tokens = [0, 0, 0]
         decoding = [0, 0, 0]
@@ -534,6 +535,9 @@ class EngineCore:
             busy_seconds_by_kind=list(self._busy),
             batched_tokens_by_kind=list(self._tokens_by_kind),
             steps_by_kind=list(self._steps_by_kind),
+            pool_wait_seconds=pool.wait_seconds,
+            pool_stalls=pool.stalls,
+            pool_stall_seconds=pool.stall_seconds,
             num_decoding=sum(decoding),
             num_decoding_by_priority=decoding,
             num_prefill_tokens_by_priority=prefill_tokens,

@@ -118,6 +118,11 @@ class ModelRunner:
         log.info("kernels' parallel loops on sluice's work pool, %d threads (torch's own ops: 1)", threads)
         return threads
 
+    def pool_waits(self) -> ext.PoolWaits:
+        """The work pool's waits so far (NOTE(pool-waits) in ``sluice/kernels/csrc/work_pool.h``); zeros while
+        this runner's kernels are not on the pool."""
+        return ext.work_pool_waits() if self.work_pool_threads else ext.PoolWaits()
+
     def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []

@@ -239,6 +239,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     busy_seconds_by_kind: list[float] = msgspec.field(default_factory=lambda: [0.0, 0.0, 0.0])
     batched_tokens_by_kind: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     steps_by_kind: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
+    # cumulative: the kernels' work pool's waits for chunks other threads held, and those of 0.5 ms or more
+    # (NOTE(pool-waits) in sluice/kernels/csrc/work_pool.h); 0 while the pool is off
+    pool_wait_seconds: float = 0.0
+    pool_stalls: int = 0
+    pool_stall_seconds: float = 0.0
     num_decoding: int = 0  # running requests past their prefill (one token a step each)
     num_decoding_by_priority: list[int] = msgspec.field(default_factory=lambda: [0, 0, 0])
     # tokens still to prefill (waiting requests, chunked prefills; a preempted request's recompute), by class

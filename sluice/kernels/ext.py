@@ -4,6 +4,7 @@
     mod = ext.load("attention")      # raises KernelUnavailableError with the reason
     ext.status()                     # {"attention": {"how": "prebuilt", ...}, ...} for `sluice doctor`
     ext.set_work_pool(2)             # the kernels' parallel loops on sluice's work pool (NOTE(work-pool))
+    ext.work_pool_waits()            # what the loops waited for chunks other threads held (NOTE(pool-waits))
 
 NOTE(jit-cache): the fallback JIT build goes to
 ``<sluice cache>/kernels/<name>-<hash>`` where the hash covers the sources, the
@@ -25,7 +26,7 @@ import re
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from sluice.kernels.build_spec import (
     EXTENSIONS,
@@ -34,7 +35,10 @@ from sluice.kernels.build_spec import (
     source_hash,
 )
 
-__all__ = ["load", "status", "set_work_pool", "work_pool_threads", "KernelUnavailableError", "csrc_dir"]
+__all__ = [
+    "load", "status", "set_work_pool", "work_pool_threads", "work_pool_waits", "PoolWaits", "KernelUnavailableError",
+    "csrc_dir",
+]
 
 log = logging.getLogger("sluice.kernels")
 
@@ -155,7 +159,8 @@ def set_work_pool(threads: int) -> None:
     """Run every extension's parallel loops on sluice's work pool with ``threads`` threads, the caller
     included, or (0) on torch's OpenMP threads, as at start-up.  NOTE(work-pool) in ``csrc/work_pool.h``:
     a loop waits only for chunks a thread has started, and the pool's workers yield their core first,
-    so the engine does not stall whenever another process takes one of its cores."""
+    so the engine does not wait for a thread the OS has not run; a worker taken off its core while it
+    runs a chunk still holds it (``work_pool_waits``, NOTE(pool-waits))."""
     if threads < 0:
         raise ValueError(f"work pool threads must be >= 0, got {threads}")
     with _REG.lock:
@@ -167,6 +172,24 @@ def set_work_pool(threads: int) -> None:
 def work_pool_threads() -> int:
     """The threads set by ``set_work_pool`` (0: the pool is off)."""
     return _REG.pool_threads
+
+
+class PoolWaits(NamedTuple):
+    """The work pool's waits since start (NOTE(pool-waits) in ``csrc/work_pool.h``): how often a loop's calling
+    thread, done with its own chunks, waited for chunks other threads held, the seconds it waited, and the
+    waits of 0.5 ms or more (a worker the OS took off its core mid-chunk) with their seconds."""
+
+    waits: int = 0
+    wait_seconds: float = 0.0
+    stalls: int = 0
+    stall_seconds: float = 0.0
+
+
+def work_pool_waits() -> PoolWaits:
+    """The pool's waits so far (zeros before an extension is loaded; the extensions share one pool)."""
+    with _REG.lock:
+        mod = next(iter(_REG.modules.values()), None)
+    return PoolWaits(*mod.pool_waits()) if mod is not None else PoolWaits()
 
 
 def status(*names: str) -> dict[str, dict[str, Any]]:

@@ -184,6 +184,12 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily("sluice_preemptions", "Requests preempted (freed and recomputed later).", value=s.num_preemptions)
         yield CounterMetricFamily("sluice_engine_steps", "Engine steps.", value=s.num_steps)
         yield from _step_kind_metrics(s)
+        yield CounterMetricFamily("sluice_engine_pool_wait_seconds", "Time the engine's kernel loops waited for "
+                                  "chunks other threads held (NOTE(pool-waits)).", value=s.pool_wait_seconds)
+        yield CounterMetricFamily("sluice_engine_pool_stalls", "Waits of 0.5 ms or more for a chunk another thread "
+                                  "held: a worker taken off its core mid-chunk.", value=s.pool_stalls)
+        yield CounterMetricFamily("sluice_engine_pool_stall_seconds", "Time of those stalls.",
+                                  value=s.pool_stall_seconds)
         yield GaugeMetricFamily("sluice_engine_step_time_base_seconds", "Fitted fixed cost of an engine step.", value=s.step_time_base)
         yield GaugeMetricFamily("sluice_engine_step_time_per_token_seconds", "Fitted cost of one batched token in a step.", value=s.step_time_per_token)
         yield GaugeMetricFamily("sluice_engine_step_time_per_seq_seconds", "Fitted cost of one scheduled sequence in a step.", value=s.step_time_per_seq)

@@ -60,6 +60,34 @@ def test_the_workers_take_chunks(restore_pool: None) -> None:
     assert any(mod.pool_probe(2_000_000, 1)[1] == 2 for _ in range(20))
 
 
+def test_the_pool_counts_the_waits_for_a_chunk_a_worker_holds(restore_pool: None) -> None:
+    """NOTE(pool-waits): a worker that holds a chunk for 30 ms (it sleeps, as if the OS had taken its core)
+    makes the caller wait at the loop's end: one stall; loops on one thread wait for nobody."""
+    mod = _load("quant")
+    ext.set_work_pool(1)
+    before = ext.work_pool_waits()
+    assert bool((mod.pool_probe(64, 1, hold_us=30_000)[0] == 1).all())
+    assert ext.work_pool_waits() == before  # no worker: nothing to wait for
+    ext.set_work_pool(2)
+    seen = False
+    for _ in range(50):  # until the worker takes a chunk while the caller waits (a busy moment may prevent either)
+        before = ext.work_pool_waits()
+        # 8 chunks of ~1-2 ms: the worker, woken (at nice 19: later when another process is busy), takes one
+        # while the caller runs the others, which takes less than the 30 ms the worker then holds it
+        visits, ran = mod.pool_probe(2_000_000, 1, hold_us=30_000)
+        after = ext.work_pool_waits()
+        assert bool((visits == 1).all())
+        waits, stalls = after.waits - before.waits, after.stalls - before.stalls
+        assert 0 <= stalls <= waits <= 1, (before, after)  # one loop: one wait at most
+        if ran == 2 and stalls == 1:
+            stall = after.stall_seconds - before.stall_seconds
+            assert 0.005 <= stall <= after.wait_seconds - before.wait_seconds + 1e-9, (before, after)
+            seen = True
+            break
+    if not seen:
+        pytest.skip("the pool's worker never held a chunk while the caller waited, in 50 loops")
+
+
 def test_a_failing_chunk_raises_and_the_pool_goes_on(restore_pool: None) -> None:
     mod = _load("quant")
     ext.set_work_pool(2)
@@ -110,9 +138,13 @@ def test_the_engine_runs_a_quantized_model_on_the_pool_with_the_same_tokens(
     pooled, eng = _greedy(path, num_threads=2)
     assert eng.runner.work_pool_threads == 2 and ext.work_pool_threads() == 2
     assert torch.get_num_threads() == 1, "torch's own ops keep one thread beside the pool"
+    stats, pool = eng.make_stats(), ext.work_pool_waits()  # NOTE(pool-waits): the engine reports the pool's
+    assert (stats.pool_wait_seconds, stats.pool_stalls, stats.pool_stall_seconds) == (
+        pool.wait_seconds, pool.stalls, pool.stall_seconds)  # fmt: skip
     monkeypatch.setenv("SLUICE_WORK_POOL", "0")
     omp, eng = _greedy(path, num_threads=2)
     assert eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
+    assert eng.make_stats().pool_wait_seconds == 0.0, "no pool, no waits"
     assert torch.get_num_threads() == 2
     assert pooled == omp, "the kernels compute the same bits on either threads"
     monkeypatch.delenv("SLUICE_WORK_POOL")

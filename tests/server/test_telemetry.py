@@ -39,6 +39,14 @@ def test_the_engine_time_tokens_and_steps_by_kind_of_step_are_counters_by_kind()
     assert _sample(m, "sluice_engine_steps_by_kind_total", kind="express") == 1
 
 
+def test_the_work_pools_waits_are_counters() -> None:
+    m = ServerMetrics("m")
+    m.observe_stats(EngineStats(pool_wait_seconds=2.5, pool_stalls=7, pool_stall_seconds=1.25))
+    assert _sample(m, "sluice_engine_pool_wait_seconds_total") == 2.5
+    assert _sample(m, "sluice_engine_pool_stalls_total") == 7
+    assert _sample(m, "sluice_engine_pool_stall_seconds_total") == 1.25
+
+
 def test_finished_request_feeds_the_priority_histograms() -> None:
     m = ServerMetrics("m")
     t = RequestTimings(arrival=10.0, first_scheduled=10.5, first_token=11.0, finished=13.0)

@@ -26,6 +26,22 @@
 // do not depend on which thread ran which chunk (the kernels' reductions are
 // never split across threads: NOTE(parallel) in qgemm.cpp).
 //
+// NOTE(pool-waits): what the pool does not avoid: a worker the OS takes off
+// its core while it runs a chunk (the API process or a client waking up on
+// that core: the worker runs at nice 19) holds that chunk until it runs
+// again, and the caller, done with every other chunk, spins at the loop's end
+// until then: for those moments neither engine thread makes progress.  The
+// pool counts the callers' waits after their last chunk, and the waits of
+// kStallNs or more (``pool_waits()``; the engine exports them:
+// ``sluice_engine_pool_wait_seconds_total``, ``sluice_engine_pool_stalls_total``).
+// On a 2-core Sapphire Rapids the waits were ~5% of the engine's time
+// in-process with nothing else running (the last chunks' imbalance), and
+// 11-14% behind the HTTP server under load, ~75 stalls a second at 3x
+// capacity (docs/benchmarks.md, "The work pool's waits").  A caller
+// that slept on a condition variable after 50 us of waiting, instead of
+// spinning, waited less (9-10%) but served no more.  Only a chunk another
+// thread could take over mid-way would end such a stall.
+//
 // The three extension modules (quant, attention, lora) share one pool: the
 // static in ``WorkPool::get`` is an inline function's, which GCC binds once per
 // process across shared objects (checked: one module's set_pool_threads is
@@ -43,6 +59,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -114,7 +131,7 @@ class WorkPool {
       cv_.notify_all();
     }
     work(gen);
-    while (done_.load(std::memory_order_acquire) < chunks) SLUICE_PAUSE();
+    if (done_.load(std::memory_order_acquire) < chunks) wait_for(chunks);
     std::exception_ptr err;
     if (failed_.load(std::memory_order_acquire)) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -127,9 +144,34 @@ class WorkPool {
 
   ~WorkPool() { resize(0); }
 
+  // NOTE(pool-waits): what the calling threads waited, after their last chunk, for chunks other
+  // threads had started: the waits, their seconds, and those of the waits over kStallNs.
+  struct Waits {
+    int64_t waits, wait_ns, stalls, stall_ns;
+  };
+  Waits waits() const {
+    return {waits_.load(std::memory_order_relaxed), wait_ns_.load(std::memory_order_relaxed),
+            stalls_.load(std::memory_order_relaxed), stall_ns_.load(std::memory_order_relaxed)};
+  }
+
  private:
   static constexpr int64_t kChunksPerThread = 4;
   static constexpr int kSpinIters = 4000;  // ~30-100 us of pause before a worker sleeps
+  static constexpr int64_t kStallNs = 500000;  // a wait this long is a stall (NOTE(pool-waits))
+
+  // Spin until every chunk is done, and count the wait (NOTE(pool-waits)).  Only the thread that
+  // holds busy_ runs a loop, so the counters have one writer; readers load them relaxed.
+  void wait_for(int64_t chunks) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (done_.load(std::memory_order_acquire) < chunks) SLUICE_PAUSE();
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    waits_.store(waits_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    wait_ns_.store(wait_ns_.load(std::memory_order_relaxed) + ns, std::memory_order_relaxed);
+    if (ns >= kStallNs) {
+      stalls_.store(stalls_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+      stall_ns_.store(stall_ns_.load(std::memory_order_relaxed) + ns, std::memory_order_relaxed);
+    }
+  }
   static constexpr uint64_t kGenMask = (1ull << 24) - 1;
   // next_: generation (24 bits) | chunks of the loop (20) | next chunk to claim (20)
   static uint64_t pack(uint64_t gen, int64_t chunks, int64_t i) {
@@ -222,6 +264,7 @@ class WorkPool {
   std::atomic<Call> call_{nullptr};
   std::atomic<const void*> ctx_{nullptr};
   std::atomic<int64_t> begin_{0}, end_{0}, size_{1}, done_{0};
+  std::atomic<int64_t> waits_{0}, wait_ns_{0}, stalls_{0}, stall_ns_{0};  // NOTE(pool-waits)
   std::atomic<int> sleepers_{0};
   std::exception_ptr error_;
   std::mutex mu_;
@@ -244,18 +287,27 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
 // The pool's Python bindings, for each extension module's PYBIND11_MODULE (which has torch/extension.h).
 //   set_pool_threads(n)   threads a loop may use, the caller included (the engine sets it: NOTE(work-pool))
 //   pool_threads()        ... as set
-//   pool_probe(n, grain, fail_at, nested) -> (visits per index, threads that ran chunks): a loop over
-//                         [0, n) that counts; the chunk holding fail_at throws; nested: each chunk runs a loop too
+//   pool_waits()          -> (waits, seconds, stalls, seconds) since start (NOTE(pool-waits))
+//   pool_probe(n, grain, fail_at, nested, hold_us) -> (visits per index, threads that ran chunks): a loop over
+//                         [0, n) that counts; the chunk holding fail_at throws; nested: each chunk runs a loop too;
+//                         hold_us: a chunk another thread than the caller runs first sleeps this long
 #define SLUICE_BIND_WORK_POOL(m)                                                                              \
   m.def("set_pool_threads", [](int64_t n) { sluice::WorkPool::get().set_threads((int)n); },                  \
         "threads a parallel loop of this module may use, the caller included (NOTE(work-pool))");           \
   m.def("pool_threads", [] { return (int64_t)sluice::WorkPool::get().threads(); });                         \
-  m.def("pool_probe", [](int64_t n, int64_t grain, int64_t fail_at, bool nested) {                          \
+  m.def("pool_waits", [] {                                                                                   \
+    const auto w = sluice::WorkPool::get().waits();                                                          \
+    return std::make_tuple(w.waits, w.wait_ns * 1e-9, w.stalls, w.stall_ns * 1e-9);                          \
+  }, "(waits, seconds, stalls, seconds): the callers' waits for chunks other threads held (NOTE(pool-waits))"); \
+  m.def("pool_probe", [](int64_t n, int64_t grain, int64_t fail_at, bool nested, int64_t hold_us) {         \
     auto visits = torch::zeros({n}, torch::kInt32);                                                          \
     int32_t* v = visits.data_ptr<int32_t>();                                                                 \
     std::mutex mu;                                                                                           \
     std::vector<std::thread::id> ids;                                                                        \
+    const auto caller = std::this_thread::get_id();                                                          \
     sluice::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {                                            \
+      if (hold_us > 0 && std::this_thread::get_id() != caller)                                               \
+        std::this_thread::sleep_for(std::chrono::microseconds(hold_us));                                     \
       {                                                                                                      \
         std::lock_guard<std::mutex> lock(mu);                                                                \
         if (std::find(ids.begin(), ids.end(), std::this_thread::get_id()) == ids.end())                     \
@@ -273,4 +325,4 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
     });                                                                                                      \
     return std::make_tuple(visits, (int64_t)ids.size());                                                    \
   }, "a counting loop over [0, n) on the pool (tests)", pybind11::arg("n"), pybind11::arg("grain") = 1,     \
-        pybind11::arg("fail_at") = -1, pybind11::arg("nested") = false)
+        pybind11::arg("fail_at") = -1, pybind11::arg("nested") = false, pybind11::arg("hold_us") = 0)
