@@ -138,7 +138,8 @@ def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 _BY_KIND = ("sluice_engine_busy_seconds_total", "sluice_engine_batched_tokens_by_kind_total",
             "sluice_engine_steps_by_kind_total")
-_POOL = ("sluice_engine_pool_wait_seconds_total", "sluice_engine_pool_stalls_total")  # NOTE(pool-waits)
+_POOL = ("sluice_engine_pool_wait_seconds_total", "sluice_engine_pool_stalls_total",
+         "sluice_engine_pool_stall_seconds_total")  # NOTE(pool-waits)
 
 
 async def _step_totals(url: str) -> dict[str, float]:
@@ -166,13 +167,13 @@ def step_kinds(before: dict[str, float], after: dict[str, float], wall: float) -
 
 
 def pool_waits(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
-    """Over a run: the share of it the engine's kernel loops waited for chunks another thread held, and the
-    stalls (waits of 0.5 ms or more) a second (NOTE(pool-waits) in sluice/kernels/csrc/work_pool.h); empty
-    when the server does not export them."""
+    """Over a run: the share of it the engine's kernel loops waited for chunks another thread held, the stalls
+    (waits of 0.5 ms or more) a second, and their share of the run (NOTE(pool-waits) in
+    sluice/kernels/csrc/work_pool.h); empty when the server does not export them."""
     if _POOL[0] not in after or wall <= 0:
         return {}
-    wait, stalls = (after[m] - before.get(m, 0.0) for m in _POOL)
-    return {"wait_share": wait / wall, "stalls_per_s": stalls / wall}
+    wait, stalls, stall_s = (after.get(m, 0.0) - before.get(m, 0.0) for m in _POOL)
+    return {"wait_share": wait / wall, "stalls_per_s": stalls / wall, "stall_share": stall_s / wall}
 
 
 _TIMELINE = ("sluice_num_requests_waiting_by_priority", "sluice_predicted_ttft_seconds",
@@ -283,8 +284,8 @@ def _kinds_cell(kinds: dict[str, dict[str, float]] | None, field: str) -> str:
 
 
 def _pool_cell(pool: dict[str, float] | None) -> str:
-    """The pool's waits as a share of the run, and its stalls a second."""
-    return f"{pool['wait_share']:.1%} / {pool['stalls_per_s']:.0f}" if pool else "-"
+    """The pool's waits as a share of the run, its stalls a second, and their share of the run."""
+    return f"{pool['wait_share']:.1%} / {pool['stalls_per_s']:.0f} / {pool['stall_share']:.1%}" if pool else "-"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -302,7 +303,7 @@ def table(result: dict[str, Any]) -> str:
                            "CPU neighbour", "engine busy: normal / express / nested",
                            "ms per batched token: normal / express / nested",
                            "steps a second: normal / express / nested",
-                           "pool waits: share of the run / stalls a second"], rows)  # fmt: skip
+                           "pool waits: share of the run / stalls a second / stalls' share"], rows)  # fmt: skip
 
 
 def main() -> None:

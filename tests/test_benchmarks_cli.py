@@ -454,10 +454,12 @@ def test_overload_repeat_reports_the_engines_time_and_token_cost_by_kind_of_step
     assert overload_repeat._kinds_cell(kinds, "steps_per_s") == "0.0 / 0.0 / 25.0"
     assert overload_repeat.step_kinds(before, {}, 10.0) == {}, "a server without these metrics"
 
-    pool_before = {"sluice_engine_pool_wait_seconds_total": 2.0, "sluice_engine_pool_stalls_total": 100.0}
-    pool_after = {"sluice_engine_pool_wait_seconds_total": 3.5, "sluice_engine_pool_stalls_total": 850.0}
+    pool_before = {"sluice_engine_pool_wait_seconds_total": 2.0, "sluice_engine_pool_stalls_total": 100.0,
+                   "sluice_engine_pool_stall_seconds_total": 1.0}  # fmt: skip
+    pool_after = {"sluice_engine_pool_wait_seconds_total": 3.5, "sluice_engine_pool_stalls_total": 850.0,
+                  "sluice_engine_pool_stall_seconds_total": 2.2}  # fmt: skip
     assert overload_repeat.pool_waits(pool_before, pool_after, wall=10.0) == {
-        "wait_share": pytest.approx(0.15), "stalls_per_s": pytest.approx(75.0)}  # fmt: skip
+        "wait_share": pytest.approx(0.15), "stalls_per_s": pytest.approx(75.0), "stall_share": pytest.approx(0.12)}
     assert overload_repeat.pool_waits(pool_before, {}, 10.0) == {}, "a server without them"
     before, after = {**before, **pool_before}, {**after, **pool_after}
     totals = iter([before, after, {}, {}])
@@ -476,7 +478,7 @@ def test_overload_repeat_reports_the_engines_time_and_token_cost_by_kind_of_step
     rows = overload_repeat.table(out).splitlines()
     assert "ms per batched token: normal / express / nested" in rows[0]
     assert "| 0.60 / - / 0.75 | 0.0 / 0.0 / " in rows[2], rows[2]
-    assert "pool waits: share of the run / stalls a second" in rows[0]
+    assert "pool waits: share of the run / stalls a second / stalls' share" in rows[0]
     assert rows[3].endswith("| - | - | - | - |"), "the second run's server exported nothing"
 
 

@@ -36,8 +36,8 @@
 // ``sluice_engine_pool_wait_seconds_total``, ``sluice_engine_pool_stalls_total``).
 // On a 2-core Sapphire Rapids the waits were ~5% of the engine's time
 // in-process with nothing else running (the last chunks' imbalance), and
-// 11-14% behind the HTTP server under load, ~75 stalls a second at 3x
-// capacity (docs/benchmarks.md, "The work pool's waits").  A caller
+// 11-14% behind the HTTP server under load, of which stalls 9-11% (~80 a
+// second at 3x capacity; docs/benchmarks.md, "The work pool's waits").  A caller
 // that slept on a condition variable after 50 us of waiting, instead of
 // spinning, waited less (9-10%) but served no more.  Only a chunk another
 // thread could take over mid-way would end such a stall.
