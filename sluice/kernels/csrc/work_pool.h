@@ -145,7 +145,7 @@ class WorkPool {
   ~WorkPool() { resize(0); }
 
   // NOTE(pool-waits): what the calling threads waited, after their last chunk, for chunks other
-  // threads had started: the waits, their seconds, and those of the waits over kStallNs.
+  // threads had started: the waits, their seconds, and those of the waits of kStallNs or more.
   struct Waits {
     int64_t waits, wait_ns, stalls, stall_ns;
   };
@@ -172,6 +172,7 @@ class WorkPool {
       stall_ns_.store(stall_ns_.load(std::memory_order_relaxed) + ns, std::memory_order_relaxed);
     }
   }
+
   static constexpr uint64_t kGenMask = (1ull << 24) - 1;
   // next_: generation (24 bits) | chunks of the loop (20) | next chunk to claim (20)
   static uint64_t pack(uint64_t gen, int64_t chunks, int64_t i) {
