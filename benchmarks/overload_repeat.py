@@ -143,8 +143,9 @@ _POOL = ("sluice_engine_pool_wait_seconds_total", "sluice_engine_pool_stalls_tot
 
 
 async def _step_totals(url: str) -> dict[str, float]:
-    """The engine's cumulative seconds, batched tokens and steps by kind of step, from ``/metrics`` (empty when
-    the server does not export them, e.g. an older build in an A/B)."""
+    """The engine's cumulative seconds, batched tokens and steps by kind of step, and the work pool's waits
+    (NOTE(pool-waits)), from ``/metrics`` (empty when the server does not export them, e.g. an older build in
+    an A/B; the pool's are left out where a build has none)."""
     try:
         async with aiohttp.ClientSession() as s, asyncio.timeout(5), s.get(url + "/metrics") as r:
             return _gauges(await r.text(), _BY_KIND + _POOL)

@@ -33,7 +33,8 @@
 // until then: for those moments neither engine thread makes progress.  The
 // pool counts the callers' waits after their last chunk, and the waits of
 // kStallNs or more (``pool_waits()``; the engine exports them:
-// ``sluice_engine_pool_wait_seconds_total``, ``sluice_engine_pool_stalls_total``).
+// ``sluice_engine_pool_wait_seconds_total``, ``sluice_engine_pool_stalls_total``,
+// ``sluice_engine_pool_stall_seconds_total``).
 // On a 2-core Sapphire Rapids the waits were ~5% of the engine's time
 // in-process with nothing else running (the last chunks' imbalance), and
 // 11-14% behind the HTTP server under load, of which stalls 9-11% (~80 a
