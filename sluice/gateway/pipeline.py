@@ -42,7 +42,7 @@ from sluice.gateway.adapters import model_of_adapter, prefer_adapter
 from sluice.gateway.config import GatewayConfig
 from sluice.gateway.degradation import DegradationPolicy, LevelChange, Plan, make_degradation
 from sluice.gateway.metrics import GatewayMetrics
-from sluice.gateway.policies import RouteRequest, RoutingPolicy, make_policy
+from sluice.gateway.policies import RouteRequest, RoutingPolicy, make_policy, spread_p0
 from sluice.gateway.pool import ReplicaPool, Version
 from sluice.gateway.replica import Replica
 from sluice.gateway.retry import RetryBudget
@@ -256,6 +256,9 @@ class Gateway:
         reason = None
         if parsed.adapter is not None:
             candidates, reason = prefer_adapter(candidates, parsed.adapter)
+        if parsed.priority == Priority.P0:
+            candidates, spread = spread_p0(candidates)  # NOTE(p0-spread)
+            reason = reason or spread
         decision = self.policy.choose(candidates, parsed.route)
         reason = reason or decision.reason
         self.metrics.decisions.labels(parsed.model, self.policy.name.value, reason, decision.replica.url).inc()
@@ -311,7 +314,8 @@ class Gateway:
             if attempt == 1:
                 self.metrics.added_latency.labels(model).observe(t_sent - t0)
             try:
-                up = await self.client.open(replica.url + path, body, headers, stream=parsed.stream)
+                with replica.awaiting_answer(parsed.priority):  # NOTE(p0-spread) in policies.py
+                    up = await self.client.open(replica.url + path, body, headers, stream=parsed.stream)
             except AttemptError as e:
                 last, failed = e, replica
                 replica.finish_request(tokens)

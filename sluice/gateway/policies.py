@@ -31,6 +31,7 @@ __all__ = [
     "prefix_hashes",
     "dynamic_weight",
     "make_policy",
+    "spread_p0",
 ]
 
 
@@ -137,6 +138,25 @@ class WeightedPolicy(RoutingPolicy):
 
     def choose(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         return Decision(self._wrr.pick(candidates, self.weights(candidates)), "weighted")
+
+
+def spread_p0(candidates: Sequence[Replica]) -> tuple[list[Replica], str | None]:
+    """The candidates for a P0 request: those with the fewest P0s still waiting for an answer
+    there, and the ``decisions`` reason when that left some out.
+
+    NOTE(p0-spread): a replica serves the P0 prompts that reach it together, so a P0 sent
+    where another one still waits for its first token waits behind that one's prefill; with
+    two one-thread replicas at 3x load, 29% of the P0s were sent where another P0 waited
+    while the other replica had none, and those missed their target 3-43% of the time
+    against 0.3% for a P0 sent to a replica with none (docs/benchmarks.md, "P0s spread over
+    the replicas").  The count is the gateway's own (sent, no status or first byte yet); the
+    usual policy then chooses among the replicas kept, so prefix affinity and load still
+    decide between equals.  Only P0: the lower classes wait in the replicas' queues, where
+    load-based routing already balances them.
+    """
+    fewest = min(r.p0_awaiting_first for r in candidates)
+    kept = [r for r in candidates if r.p0_awaiting_first == fewest]
+    return kept, ("p0_spread" if len(kept) < len(candidates) else None)
 
 
 def prefix_hashes(text: str, chunk_chars: int, max_chunks: int) -> list[int]:

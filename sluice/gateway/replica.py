@@ -7,14 +7,16 @@ tracker and breaker.  Policies only read it.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from sluice.gateway.breaker import BreakerState, CircuitBreaker
 from sluice.gateway.config import BreakerConfig, HealthConfig, ReplicaConfig
 from sluice.gateway.health import HealthTracker
 from sluice.gateway.prom import ReplicaLoad
+from sluice.types import Priority
 
 __all__ = ["Replica"]
 
@@ -28,6 +30,7 @@ class Replica:
     breaker: CircuitBreaker
     num_inflight: int = 0  # requests the gateway has sent and not finished
     inflight_tokens: int = 0  # their prompt + max_tokens estimate
+    p0_awaiting_first: int = 0  # P0 requests sent here and not yet answered (NOTE(p0-spread) in policies.py)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)  # last scrape
     scraped_at: float | None = None  # monotonic time of the last good scrape
     scrape_error: str | None = None
@@ -81,6 +84,16 @@ class Replica:
         self.num_inflight -= 1
         self.inflight_tokens -= num_tokens
 
+    @contextlib.contextmanager
+    def awaiting_answer(self, priority: Priority) -> Iterator[None]:
+        """Around a request's send: its status and first byte, or its failure (counts P0s)."""
+        p0 = priority == Priority.P0
+        self.p0_awaiting_first += p0
+        try:
+            yield
+        finally:
+            self.p0_awaiting_first -= p0
+
     def describe(self, now: float) -> dict[str, object]:
         """JSON view for ``/admin/replicas``."""
         return {
@@ -95,6 +108,7 @@ class Replica:
             "failure_rate": round(self.breaker.failure_rate(), 4),
             "num_inflight": self.num_inflight,
             "inflight_tokens": self.inflight_tokens,
+            "p0_awaiting_first": self.p0_awaiting_first,
             "load": self.load.__dict__,
             "scrape_age_s": None if self.scraped_at is None else round(now - self.scraped_at, 3),
             "scrape_error": self.scrape_error,
