@@ -149,7 +149,9 @@ def spread_p0(candidates: Sequence[Replica]) -> tuple[list[Replica], str | None]
     two one-thread replicas at 3x load, 29% of the P0s were sent where another P0 waited
     while the other replica had none, and those missed their target 3-43% of the time
     against 0.2-0.3% for a P0 sent to a replica with none (docs/benchmarks.md, "P0s spread over
-    the replicas").  The count is the gateway's own (sent, no status or first byte yet); the
+    the replicas").  The count is the gateway's own (sent, no status or first byte yet; a
+    request that does not stream has no first byte before its whole answer, so it counts
+    until then, decode included: erring towards spreading); the
     usual policy then chooses among the replicas kept, so prefix affinity and load still
     decide between equals.  Only P0: the lower classes wait in the replicas' queues, where
     load-based routing already balances them.
