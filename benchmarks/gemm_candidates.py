@@ -1,6 +1,7 @@
 """Quantized GEMM candidates on this CPU: sluice's kernels against torch's own int8/int4 weight ops.
 
     python benchmarks/gemm_candidates.py             # SmolLM2's shapes, M = 1, 32, 256
+    python benchmarks/gemm_candidates.py --batches 1,13,64,128
     python benchmarks/gemm_candidates.py --no-write
 
 torch 2.13 ships ``_weight_int8pack_mm`` (per-channel int8 weights) and
@@ -73,6 +74,10 @@ def measure(n: int, k: int, m: int) -> dict[str, float]:
     w4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
     sz = torch.rand(k // 32, n, 2, dtype=torch.bfloat16)
     res["torch int4pack"] = best_of(lambda: torch._weight_int4pack_mm_for_cpu(xb, w4, 32, sz), reps)
+    # not quantized: the ceiling an AMX-BF16 kernel converting the weights in registers could aim at
+    # (oneDNN on weights dequantized to bf16 beforehand: 2 bytes a weight read, against 0.625 for Q4_1)
+    wb = torch.randn(n, k, dtype=torch.bfloat16)
+    res["torch bf16 dense"] = best_of(lambda: torch.nn.functional.linear(xb, wb), reps)
     return res
 
 
@@ -84,7 +89,7 @@ def main() -> None:
     ms = [int(v) for v in a.batches.split(",")]
     rows, raw = [], []
     names = ["sluice int4", "sluice int8", *(["sluice int4 amx", "sluice int8 amx"] if AMX else []),
-             "torch int4pack", "torch int8pack"]
+             "torch int4pack", "torch int8pack", "torch bf16 dense"]
     for n, k in SHAPES:
         for m in ms:
             r = measure(n, k, m)
@@ -101,7 +106,9 @@ def main() -> None:
         f"{PATH.label}. sluice: float32 activations quantized per row + the GEMM (group 32); "
         "torch: bf16 activations (`_weight_int4pack_mm_for_cpu` group 32, `_weight_int8pack_mm` per channel). "
         + ("The `amx` columns: the same GEMM on the AMX path (tile unit + AVX-512 epilogue, same bits). " if AMX else "")
-        + "Best of 5. The speed-up is the faster torch op's time over sluice int4's (its faster path).\n\n" + table + "\n"
+        + "`torch bf16 dense`: `F.linear` on bf16 weights (oneDNN, AMX-BF16 where the CPU has it), not quantized "
+        "(2 bytes a weight against 0.625 for Q4_1), for scale. Best of 5. The speed-up is the faster torch quantized "
+        "op's time over sluice int4's (its faster path).\n\n" + table + "\n"
     )
     print(table)
     if not a.no_write:
