@@ -8,17 +8,15 @@ timing out:
    requests sent since, and the measured step time, predict the new request's
    TTFT.  Over its class's target, the newest queued requests of strictly
    lower classes (for P1 only those queued a moment ago, NOTE(young-victims))
-   are shed (lowest class first) if that brings it within
-   target; otherwise the new request gets 429 with a ``Retry-After`` of the
-   predicted excess, jittered.
+   are shed (lowest class first) if that brings it within target; otherwise the
+   new request gets 429 with a ``Retry-After`` of the predicted excess, jittered.
 2. A hard bound in requests (``max_queued_requests``) and tokens
    (``max_queued_tokens``: prompt + max_tokens), shed the same way: the
    last line of defence when the engine has not been measured yet.
 
-NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits;
-shedding newest-first keeps the oldest P2 requests' queueing investment.
-Shedding is all or nothing: if shedding every lower-class request would not
-make room, nobody is shed.
+NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits; shedding newest-first
+keeps the oldest P2 requests' queueing investment.  Shedding is all or nothing: if shedding every
+lower-class request would not make room, nobody is shed.
 
 NOTE(young-victims): to make room for a P1 request by its prediction, only
 lower-class requests queued less than ``SHED_MAX_AGE_S`` are shed: one that has
@@ -80,11 +78,10 @@ second (8 over a quarter second) stretched the predictions of the P2s in it
 tenfold, on an engine that served them within a second.  A surge from load
 already in flight is seen by the 1-s average as before.
 
-NOTE(refused-above): shedding goes lowest class first, so while a higher
-class is being refused for its predicted wait (within ``REFUSED_ABOVE_S``), a
-lower-class request is refused too, whatever its own prediction says: the
-higher classes alone fill the engine, and a lower-class request admitted in a
-gap of the queue is pushed back behind them until it is overdue.
+NOTE(refused-above): shedding goes lowest class first, so while a higher class is being refused for
+its predicted wait (within ``REFUSED_ABOVE_S``), a lower-class request is refused too, whatever its
+own prediction says: the higher classes alone fill the engine, and a lower-class request admitted in
+a gap of the queue is pushed back behind them until it is overdue.
 
 NOTE(overdue): the prediction is a mean; a lower-class request admitted on it
 can still be pushed back by the higher classes' arrivals for far longer (P2
@@ -133,10 +130,9 @@ and nothing changes.  At 5x on that machine P0 attainment went from 38-50% to
 52-58%, and P0's TTFT p99 from 0.30-0.58 s to 0.23-0.27 s; a tighter margin
 (5% / 2%) gained 4 more points at 5x but cost about one at 3x (docs/benchmarks.md).
 
-NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst
-2 s later and is shed again.  ``Retry-After`` is the predicted excess wait
-times U(1, 1.5), plus U(0, 1) s, so retries spread over the time the queue
-needs to drain.  The header is whole seconds rounded up, never less.
+NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst 2 s later and is shed
+again.  ``Retry-After`` is the predicted excess wait times U(1, 1.5), plus U(0, 1) s, so retries
+spread over the time the queue needs to drain.  The header is whole seconds rounded up, never less.
 """
 
 from __future__ import annotations
@@ -196,6 +192,7 @@ class Decision:
     shed: list[str]  # keys of queued lower-class requests shed to make room
     predicted_ttft: float | None = None  # seconds; None: no prediction (engine not measured, or SLO off)
     target: float | None = None  # seconds, its class's TTFT target
+    lane: int = 0  # the engine core it goes to (NOTE(data-parallel) in sluice.server.lanes)
 
 
 class AdmissionController:
@@ -249,6 +246,10 @@ class AdmissionController:
     @property
     def num_queued_tokens(self) -> int:
         return self._num_tokens
+
+    def num_queued_of(self, priority: Priority) -> int:
+        """Queued requests of one class (a P0 here waits for its first output)."""
+        return sum(1 for e in self._queued.values() if e.priority == priority)
 
     # ------------------------------------------------------------ measurements
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -53,6 +54,7 @@ from sluice.server.engine_client import EngineClient
 from sluice.server.engine_proc import default_engine_factory
 from sluice.server.engine_setup import EngineProcessSetup
 from sluice.server.generation import Generation
+from sluice.server.lanes import AnyAdmission, AnyClient, LanedAdmission, LanedClient, lane_configs
 from sluice.server.lora_routes import add_lora_routes, models_entries
 from sluice.server.profiling import add_profile_routes
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -124,42 +126,54 @@ def build_app(
         if st.on_engine_dead is not None:
             st.on_engine_dead()
 
-    admission = AdmissionController(
-        settings.max_queued_requests,
-        settings.max_queued_tokens,
-        slo=settings.slo_targets,
-        policy=settings.engine.scheduling_policy,
-        max_num_batched_tokens=settings.engine.max_num_batched_tokens,
-        max_num_seqs=settings.engine.max_num_seqs,
-        clock=clock,
-    )
-    metrics.signal.source = admission.signal
+    # NOTE(data-parallel) in sluice.server.lanes: one engine core, or N lanes behind this API process
+    n = settings.data_parallel_size
+    admissions = [
+        AdmissionController(
+            -(-settings.max_queued_requests // n),  # the server's bounds, shared out over the lanes
+            -(-settings.max_queued_tokens // n),
+            slo=settings.slo_targets,
+            policy=settings.engine.scheduling_policy,
+            max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+            max_num_seqs=settings.engine.max_num_seqs,
+            clock=clock,
+        )
+        for _ in range(n)
+    ]
+    assigned: dict[str, int] = {}  # request uid -> lane, with n > 1
 
-    def _on_stats(stats: EngineStats) -> None:
-        metrics.observe_stats(stats)
-        admission.observe_stats(stats)
+    def _on_stats(lane: int, stats: EngineStats) -> None:
+        metrics.observe_stats(stats if n == 1 else laned.lane_stats(lane, stats))
+        admissions[lane].observe_stats(stats)
         st = state_box.get("state")
         if st is not None and st.serving is not None:
             st.serving.shed_overdue()
 
-    engine_config = settings.engine
-    if placement is not None or settings.pyroscope_server:
-        # the engine core process pins itself (and starts its profiler agent) before building the engine
-        engine_factory = EngineProcessSetup(
-            engine_factory or default_engine_factory,
-            cpus=placement.engine_cpus if placement else (),
-            numa_node=placement.engine_node if placement else None,
-            pyroscope_server=settings.pyroscope_server,
-        )
-        if placement is not None and engine_config.num_threads is None:
-            engine_config = replace(engine_config, num_threads=len(placement.engine_cpus))
-    client = EngineClient(
-        engine_config,
-        engine_factory=engine_factory,
-        on_dead=_dead,
-        on_stats=_on_stats,
-        on_lora_loads=lambda records: record_lora_loads(tracing, metrics, records),
-    )
+    clients = []
+    engine_cpus = placement.engine_cpus if placement is not None else None
+    for lane, (engine_config, cpus) in enumerate(lane_configs(settings.engine, n, engine_cpus)):
+        factory = engine_factory or default_engine_factory
+        if placement is not None or settings.pyroscope_server:
+            # the engine core process pins itself (and starts its profiler agent) before building the engine
+            factory = EngineProcessSetup(
+                factory,
+                cpus=cpus or (),
+                numa_node=placement.engine_node if placement else None,
+                pyroscope_server=settings.pyroscope_server,
+            )
+            if cpus and engine_config.num_threads is None:
+                engine_config = replace(engine_config, num_threads=len(cpus))
+        clients.append(EngineClient(
+            engine_config,
+            engine_factory=factory,
+            on_dead=_dead,
+            on_stats=functools.partial(_on_stats, lane),
+            on_lora_loads=lambda records: record_lora_loads(tracing, metrics, records),
+        ))  # fmt: skip
+    laned = LanedClient(clients, assigned)
+    client: AnyClient = clients[0] if n == 1 else laned
+    admission: AnyAdmission = admissions[0] if n == 1 else LanedAdmission(admissions, assigned)
+    metrics.signal.source = admission.signal
     state = ServerState(
         settings=settings,
         client=client,

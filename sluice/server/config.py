@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.engine.config import EngineConfig
+from sluice.errors import ConfigError
 from sluice.server.slo import SloTargets
 from sluice.settings import (
     Option,
@@ -65,6 +66,10 @@ class ServerSettings(BaseModel):
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")
     served_model_name: str | None = Field(None, description="Model name in the API (default: the model's).")
     log_level: str = Field("info", description=" | ".join(LOG_LEVELS) + ".")
+    data_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "Engine core processes behind this API process, each with its own copy of the model, KV cache and "
+        "slots (CPU only; threads each: --num-threads, default the cores / N). Requests go to the one with "
+        "the shortest predicted wait; P0s are spread first."))
     # operations (docs/operations.md)
     cpu_affinity: str | None = Field(None, description=(
         "Cores of the engine core process: auto (the NUMA node of --device, or the cores this process was "
@@ -149,6 +154,10 @@ def load_settings(
         nested.update({k: v for k, v in values.items() if k not in engine_names})
         settings = ServerSettings.model_validate(nested)
         settings.engine.validate()
+        if settings.data_parallel_size > 1 and settings.engine.device != "cpu":
+            raise ConfigError(f"{settings.data_parallel_size} engine cores: more than one engine core "
+                              f"runs on the CPU only, not --device {settings.engine.device}",
+                              setting="data_parallel_size")  # fmt: skip
         return settings
 
     return r.build(make)

@@ -188,7 +188,8 @@ class EngineClient:
 
     # -- requests ------------------------------------------------------------------
 
-    def add_requests(self, requests: list[EngineRequest]) -> RequestStream:
+    def add_requests(self, requests: list[EngineRequest], lane: int = 0) -> RequestStream:
+        """Send ``requests`` (``lane``: always 0 here, one engine core; ``LanedClient`` has several)."""
         if self.is_dead:
             raise EngineDeadError("the engine core process is not running", retry_after=1.0)
         stream = RequestStream([r.request_id for r in requests])

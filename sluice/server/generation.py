@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from sluice.engine.protocol import EngineOutput, RequestTimings, TokenLogprobs
 from sluice.engine.stop import Detokenizer, apply_output
 from sluice.errors import SluiceError
-from sluice.server.engine_client import EngineClient, RequestStream, engine_error
+from sluice.server.engine_client import RequestStream, engine_error
+from sluice.server.lanes import AnyClient
 
 __all__ = ["Choice", "Delta", "Generation"]
 
@@ -55,7 +56,7 @@ class Delta:
 class Generation:
     def __init__(
         self,
-        client: EngineClient,
+        client: AnyClient,
         stream: RequestStream,
         choices: list[Choice],
         *,

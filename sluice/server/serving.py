@@ -34,10 +34,10 @@ from sluice.errors import (
 )
 from sluice.obs.logging import REQUEST_LOGGER
 from sluice.obs.tracing import Tracing
-from sluice.server.admission import OVERDUE_FACTOR, OVERDUE_SWEEP_S, AdmissionController
+from sluice.server.admission import OVERDUE_FACTOR, OVERDUE_SWEEP_S
 from sluice.server.codec import TextCodec
-from sluice.server.engine_client import EngineClient
 from sluice.server.generation import Choice, Generation
+from sluice.server.lanes import AnyAdmission, AnyClient
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.render import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, sse_event
 from sluice.server.telemetry import ServerMetrics, record_stages
@@ -82,14 +82,14 @@ class OpenAIServing:
     def __init__(
         self,
         *,
-        client: EngineClient,
+        client: AnyClient,
         codec: TextCodec,
         model_info: ModelInfo,
         served_model_name: str,
         model_aliases: set[str],
         keys: KeyStore,
         rate_limiter: RateLimiter,
-        admission: AdmissionController,
+        admission: AnyAdmission,
         metrics: ServerMetrics,
         tracing: Tracing,
         is_draining: Callable[[], bool],
@@ -237,7 +237,7 @@ class OpenAIServing:
                 choices.append(Choice(index, rid, pi, det))
         self.metrics.prompt_tokens.inc(ctx.prompt_tokens)
         try:
-            stream = self.client.add_requests(reqs)
+            stream = self.client.add_requests(reqs, lane=decision.lane)
         except SluiceError:
             self.admission.remove(ctx.uid)
             raise

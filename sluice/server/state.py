@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from sluice.auth import KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
 from sluice.obs.tracing import Tracing
-from sluice.server.admission import AdmissionController
 from sluice.server.codec import TextCodec
 from sluice.server.config import ServerSettings
-from sluice.server.engine_client import EngineClient
+from sluice.server.lanes import AnyAdmission, AnyClient
 from sluice.server.serving import OpenAIServing
 from sluice.server.telemetry import ServerMetrics
 
@@ -25,12 +24,12 @@ __all__ = ["ServerState"]
 @dataclass
 class ServerState:
     settings: ServerSettings
-    client: EngineClient
+    client: AnyClient
     metrics: ServerMetrics
     tracing: Tracing
     keys: KeyStore
     rate_limiter: RateLimiter
-    admission: AdmissionController
+    admission: AnyAdmission
     codec_factory: Callable[[str], TextCodec]
     on_ready: Callable[[ModelInfo], None] | None = None
     on_engine_dead: Callable[[], None] | None = None

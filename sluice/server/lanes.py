@@ -1,0 +1,327 @@
+"""Several engine core processes behind one API process (``--data-parallel-size N``).
+
+NOTE(data-parallel): on a CPU with few cores, N engine cores of one thread each
+serve more than one engine core of N threads.  Each step of a multi-threaded
+engine ends with its threads waiting for one another (the serial parts, the
+work pool's chunks, NOTE(pool-waits)), and a small step, a P0's express step
+above all, parallelises worst: in-process on a 2-core Sapphire Rapids, a
+13-token prompt took 9.1-9.6 ms on two threads against 13.2-13.8 ms on one
+(1.45x for twice the cores), a 128-row decode step 75.6-77.4 ms against
+122.1-122.8 ms (1.6x).  Under overload the gateway's two one-thread
+replicas served 49.6-53.7 requests a second on 144-154% of a core for their
+engines, where one two-thread ``sluice serve`` served 45.7-47.7 on 160-168%.
+Two lanes of one thread against one two-thread engine, at one fixed load on that
+machine: goodput 63.2 against 53.0 req/s at 1x, 52.6 against 43.6 at 3x (means
+of four 30-s runs), P0 held alike (docs/benchmarks.md, "Two one-thread engine
+cores behind one API process").
+A lane is one engine core with its own ``EngineClient`` and its own
+``AdmissionController`` (its predictions come from its own engine's stats);
+``LanedAdmission`` and ``LanedClient`` give the rest of the API process the
+interface of one of each:
+
+- ``LanedAdmission.admit`` picks the lane.  A P0 goes to a lane with the fewest
+  P0s still waiting for their first output (as the gateway spreads them,
+  NOTE(p0-spread)), then to the lowest predicted TTFT; the other classes go to
+  the lowest predicted TTFT.  A request is refused only when every lane refuses
+  it; the decision names its lane, and ``LanedClient.add_requests`` sends it there.
+- Aborts and releases follow the request to its lane; operator commands go to
+  every lane (a LoRA adapter is loaded by each engine), except profiling, which
+  follows the first engine core.
+- Stats are summed over the lanes for the metrics and ``/admin/kv``
+  (``merge_stats``); each lane's admission reads its own engine's.
+
+The engines share nothing: each has its model weights, KV cache
+(``--kv-cache-memory`` each), slots (``--max-num-seqs`` each) and, with
+``--kv-disk-dir``, a subdirectory ``lane-<i>`` of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any, TypeAlias
+
+import msgspec
+
+from sluice.engine.config import EngineConfig, ModelInfo
+from sluice.engine.protocol import EngineRequest, EngineStats, KVTierStats
+from sluice.errors import OverloadedError
+from sluice.server.admission import AdmissionController, Decision
+from sluice.server.engine_client import EngineClient, RequestStream
+from sluice.types import Priority
+
+__all__ = ["AnyAdmission", "AnyClient", "LanedAdmission", "LanedClient", "lane_configs", "lane_of", "merge_stats"]
+
+# fields that are a level, not an amount: the lanes' mean, not their sum
+_MEAN_FIELDS = frozenset({"kv_cache_usage", "step_time", "step_time_base", "step_time_per_token", "step_time_per_seq"})
+
+
+def lane_configs(
+    config: EngineConfig, n: int, cpus: tuple[int, ...] | None
+) -> list[tuple[EngineConfig, tuple[int, ...] | None]]:
+    """Each lane's engine config and cores (``cpus``: the engine cores of ``--cpu-affinity``, None: not pinned).
+
+    The cores are cut into ``n`` runs of neighbours (every lane gets them all when there are fewer than
+    ``n``); ``--num-threads`` not given, a lane runs on its share of the cores; ``--kv-disk-dir`` gets a
+    subdirectory ``lane-<i>`` per lane, so that no two engines write one tier.
+    """
+    if n == 1:
+        return [(config, cpus)]
+    shares: list[tuple[int, ...] | None] = [cpus] * n
+    split = cpus is not None and len(cpus) >= n
+    if split:
+        assert cpus is not None
+        size, extra = divmod(len(cpus), n)
+        starts = [i * size + min(i, extra) for i in range(n + 1)]
+        shares = [cpus[starts[i]:starts[i + 1]] for i in range(n)]
+    out = []
+    for i, share in enumerate(shares):
+        cfg = config
+        if cfg.num_threads is None:
+            cores = len(share) if split and share else len(cpus or os.sched_getaffinity(0)) // n
+            cfg = dataclasses.replace(cfg, num_threads=max(1, cores))
+        if cfg.kv_disk_dir:
+            cfg = dataclasses.replace(cfg, kv_disk_dir=os.path.join(cfg.kv_disk_dir, f"lane-{i}"))
+        out.append((cfg, share))
+    return out
+
+
+def lane_of(request_id: str, lanes: dict[str, int]) -> int | None:
+    """The lane of an engine request id ``<uid>-<index>`` (``serving.submit``), by its uid."""
+    return lanes.get(request_id.rpartition("-")[0])
+
+
+def _merge_value(name: str, values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, bool):
+        return any(values)
+    if isinstance(first, (int, float)):
+        total = sum(values)
+        return total / len(values) if name in _MEAN_FIELDS else total
+    if isinstance(first, str):
+        return first
+    if isinstance(first, list):
+        if name == "running_slots" or name == "recent_load_seconds":
+            return [x for v in values for x in v]
+        if all(isinstance(x, (int, float)) for v in values for x in v):
+            width = max(len(v) for v in values)
+            return [sum(v[i] for v in values if i < len(v)) for i in range(width)]
+        if name == "kv_tiers":
+            by_name: dict[str, list[KVTierStats]] = {}
+            for v in values:
+                for t in v:
+                    by_name.setdefault(t.name, []).append(t)
+            return [_merge_struct(ts) for ts in by_name.values()]
+        return first
+    return first  # a nested struct (lora: every lane holds the same adapters) or None
+
+
+def _merge_struct(items: list[Any]) -> Any:
+    cls = type(items[0])
+    return cls(**{f: _merge_value(f, [getattr(s, f) for s in items]) for f in cls.__struct_fields__})
+
+
+def merge_stats(stats: list[EngineStats]) -> EngineStats:
+    """The lanes' stats as one engine's: amounts summed, levels averaged, lists of counts summed per index."""
+    if len(stats) == 1:
+        return stats[0]
+    merged: EngineStats = _merge_struct(stats)
+    return merged
+
+
+class LanedClient:
+    """N ``EngineClient``s with the interface of one (module docstring)."""
+
+    def __init__(self, clients: list[EngineClient], lanes: dict[str, int]):
+        assert clients, "at least one lane"
+        self.clients = clients
+        self._lanes = lanes  # request uid -> lane, written by LanedAdmission.admit
+        self.ready = asyncio.Event()
+        self._lane_stats: list[EngineStats] = [EngineStats() for _ in clients]
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        for c in self.clients:
+            c.start()
+
+    async def wait_ready(self) -> ModelInfo:
+        infos = await asyncio.gather(*(c.wait_ready() for c in self.clients))
+        self.ready.set()
+        return infos[0]
+
+    async def close(self, timeout: float = 5.0) -> None:
+        await asyncio.gather(*(c.close(timeout) for c in self.clients))
+
+    @property
+    def pid(self) -> int | None:
+        return self.clients[0].pid
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self.clients[0].model_info
+
+    @property
+    def is_dead(self) -> bool:
+        return any(c.is_dead for c in self.clients)
+
+    @property
+    def is_closing(self) -> bool:
+        return any(c.is_closing for c in self.clients)
+
+    @property
+    def start_error(self) -> str | None:
+        return next((c.start_error for c in self.clients if c.start_error), None)
+
+    # -- stats -----------------------------------------------------------------------
+
+    def lane_stats(self, lane: int, stats: EngineStats) -> EngineStats:
+        """Record lane ``lane``'s new stats; return the merged stats, the KV tiers' load waits being this
+        lane's only (each wait is in exactly one snapshot)."""
+        prev = self._lane_stats
+        self._lane_stats = [*prev[:lane], stats, *prev[lane + 1:]]
+        quiet = [s if i == lane else _without_waits(s) for i, s in enumerate(self._lane_stats)]
+        return merge_stats(quiet)
+
+    @property
+    def stats(self) -> EngineStats:
+        return merge_stats(self._lane_stats)
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_requests(self, requests: list[EngineRequest], lane: int = 0) -> RequestStream:
+        return self.clients[lane].add_requests(requests)
+
+    def _by_lane(self, request_ids: Iterable[str]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for rid in request_ids:
+            lane = lane_of(rid, self._lanes)
+            for i in range(len(self.clients)) if lane is None else (lane,):
+                out.setdefault(i, []).append(rid)
+        return out
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for lane, ids in self._by_lane(request_ids).items():
+            self.clients[lane].abort(ids)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for lane, ids in self._by_lane(request_ids).items():
+            self.clients[lane].release(ids)
+
+    async def control(self, command: str, timeout: float = 600.0, **args: Any) -> dict[str, Any]:
+        """An operator command on every lane (the first lane's report), profiling on the first lane only."""
+        if command.startswith("profile"):
+            return await self.clients[0].control(command, timeout, **args)
+        replies = await asyncio.gather(*(c.control(command, timeout, **args) for c in self.clients))
+        return replies[0]
+
+    @property
+    def num_open_requests(self) -> int:
+        return sum(c.num_open_requests for c in self.clients)
+
+
+def _without_waits(s: EngineStats) -> EngineStats:
+    if not any(t.recent_load_seconds for t in s.kv_tiers):
+        return s
+    tiers = [msgspec.structs.replace(t, recent_load_seconds=[]) for t in s.kv_tiers]
+    return msgspec.structs.replace(s, kv_tiers=tiers)
+
+
+class LanedAdmission:
+    """N ``AdmissionController``s, one per lane, with the interface of one (module docstring)."""
+
+    def __init__(self, lanes: list[AdmissionController], assigned: dict[str, int]):
+        assert lanes, "at least one lane"
+        self.lanes = lanes
+        self._assigned = assigned  # request uid -> lane (shared with LanedClient)
+
+    # -- choosing a lane -----------------------------------------------------------
+
+    def _order(self, priority: Priority, num_prompt_tokens: int) -> list[int]:
+        """The lanes in the order a new request tries them (module docstring)."""
+        def key(i: int) -> tuple[int, float, int]:
+            adm = self.lanes[i]
+            p0_waiting = adm.num_queued_of(Priority.P0) if priority == Priority.P0 else 0
+            # equal predictions (engines not measured yet): the fewest queued requests
+            return p0_waiting, adm.predict(adm.load(), priority, max(1, num_prompt_tokens)), adm.num_queued
+
+        return sorted(range(len(self.lanes)), key=key)
+
+    def admit(self, key: str, priority: Priority, num_tokens: int, num_prompt_tokens: int | None = None) -> Decision:
+        prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        refusal: OverloadedError | None = None
+        for lane in self._order(priority, prompt):
+            try:
+                decision = self.lanes[lane].admit(key, priority, num_tokens, num_prompt_tokens)
+            except OverloadedError as e:
+                if refusal is None or (e.retry_after or 0.0) < (refusal.retry_after or 0.0):
+                    refusal = e
+                continue
+            self._assigned[key] = lane
+            return dataclasses.replace(decision, lane=lane)
+        assert refusal is not None
+        raise refusal
+
+    def _lane(self, key: str) -> AdmissionController | None:
+        lane = self._assigned.get(key)
+        return None if lane is None else self.lanes[lane]
+
+    # -- the request's life ----------------------------------------------------------
+
+    def started(self, key: str) -> None:
+        adm = self._lane(key)
+        if adm is not None:
+            adm.started(key)
+
+    def remove(self, key: str) -> None:
+        adm = self._lane(key)
+        if adm is not None:
+            adm.remove(key)
+        self._assigned.pop(key, None)
+
+    def overdue(self) -> list[str]:
+        keys = [k for adm in self.lanes for k in adm.overdue()]
+        for k in keys:
+            self._assigned.pop(k, None)
+        return keys
+
+    def observe_output_tokens(self, num_generated: int) -> None:
+        for adm in self.lanes:
+            adm.observe_output_tokens(num_generated)
+
+    # -- early refusals and signals ---------------------------------------------------
+
+    def refuse_early(self, priority: Priority, max_prompt_tokens: int | None = None) -> OverloadedError | None:
+        """A refusal only when every lane would refuse (the first lane's), else None."""
+        refusals = [adm.refuse_early(priority, max_prompt_tokens) for adm in self.lanes]
+        return None if any(r is None for r in refusals) else refusals[0]
+
+    def has_floor(self, priority: Priority) -> bool:
+        return all(adm.has_floor(priority) for adm in self.lanes)
+
+    def signal(self) -> list[tuple[float, float]]:
+        """(predicted TTFT, target) per class: the best lane's prediction, where a new request would go."""
+        per_lane = [adm.signal() for adm in self.lanes]
+        return [min((s[p] for s in per_lane), key=lambda pt: pt[0]) for p in range(len(per_lane[0]))]
+
+    def jittered(self, seconds: float) -> float:
+        return self.lanes[0].jittered(seconds)
+
+    @property
+    def retry_after(self) -> float:
+        return self.lanes[0].retry_after
+
+    @property
+    def num_queued(self) -> int:
+        return sum(adm.num_queued for adm in self.lanes)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(adm.num_queued_tokens for adm in self.lanes)
+
+
+# what the rest of the API process holds: one engine core's, or the lanes'
+AnyClient: TypeAlias = EngineClient | LanedClient
+AnyAdmission: TypeAlias = AdmissionController | LanedAdmission

@@ -1,0 +1,211 @@
+"""Several engine cores behind one API process (``--data-parallel-size``, NOTE(data-parallel) in
+sluice.server.lanes): the stats merge, the lanes' configs, the admission's choice of a lane, the
+client's routing, and a server with two fake engine cores end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.protocol import EngineStats, KVTierStats
+from sluice.errors import ConfigError, OverloadedError
+from sluice.server.admission import AdmissionController
+from sluice.server.config import load_settings
+from sluice.server.lanes import LanedAdmission, LanedClient, lane_configs, merge_stats
+from sluice.types import Priority
+from tests.server.conftest import ServerThread, start_fake_server
+
+
+def test_merge_stats_sums_amounts_averages_levels_and_joins_lists() -> None:
+    a = EngineStats(num_running=3, num_waiting_by_priority=[1, 0, 2], kv_cache_usage=0.2, num_steps=10,
+                    running_slots=[[0, 1, 5]], step_time_per_token=0.001, express_mid_step=False,
+                    kv_tiers=[KVTierStats(name="disk", num_blocks=4, recent_load_seconds=[0.1])])  # fmt: skip
+    b = EngineStats(num_running=4, num_waiting_by_priority=[0, 3, 1], kv_cache_usage=0.4, num_steps=5,
+                    running_slots=[[2, 0, 9]], step_time_per_token=0.003, express_mid_step=True,
+                    kv_tiers=[KVTierStats(name="disk", num_blocks=6, recent_load_seconds=[0.2])])  # fmt: skip
+    m = merge_stats([a, b])
+    assert m.num_running == 7 and m.num_steps == 15
+    assert m.num_waiting_by_priority == [1, 3, 3]
+    assert m.kv_cache_usage == pytest.approx(0.3) and m.step_time_per_token == pytest.approx(0.002)
+    assert m.running_slots == [[0, 1, 5], [2, 0, 9]]
+    assert m.express_mid_step is True
+    assert len(m.kv_tiers) == 1 and m.kv_tiers[0].num_blocks == 10
+    assert m.kv_tiers[0].recent_load_seconds == [0.1, 0.2]
+    assert merge_stats([a]) is a
+
+
+def test_lane_stats_count_each_tier_wait_once() -> None:
+    client = LanedClient([_StubClient(), _StubClient()], {})  # type: ignore[list-item]
+    s0 = EngineStats(num_running=1, kv_tiers=[KVTierStats(name="disk", recent_load_seconds=[0.5])])
+    s1 = EngineStats(num_running=2, kv_tiers=[KVTierStats(name="disk", recent_load_seconds=[0.25])])
+    assert client.lane_stats(0, s0).kv_tiers[0].recent_load_seconds == [0.5]
+    merged = client.lane_stats(1, s1)  # lane 0's wait was reported with its own snapshot already
+    assert merged.num_running == 3 and merged.kv_tiers[0].recent_load_seconds == [0.25]
+    assert client.stats.num_running == 3
+
+
+def test_lane_configs_share_the_cores_threads_and_tier_directories() -> None:
+    cfg = EngineConfig(model="fake", kv_disk_dir="/var/kv")
+    lanes = lane_configs(cfg, 2, (0, 1, 2))
+    assert [cpus for _, cpus in lanes] == [(0, 1), (2,)]
+    assert [c.num_threads for c, _ in lanes] == [2, 1]
+    assert [c.kv_disk_dir for c, _ in lanes] == ["/var/kv/lane-0", "/var/kv/lane-1"]
+    # fewer cores than lanes: every lane may use them all, one thread each
+    assert [(c.num_threads, cpus) for c, cpus in lane_configs(cfg, 3, (4, 5))] == [(1, (4, 5))] * 3
+    # threads given: kept; not pinned: the cores this process may use, shared out
+    assert all(c.num_threads == 3 for c, _ in lane_configs(EngineConfig(model="fake", num_threads=3), 2, None))
+    assert all(c.num_threads and c.num_threads >= 1 for c, _ in lane_configs(EngineConfig(model="fake"), 2, None))
+    assert lane_configs(cfg, 1, (0, 1)) == [(cfg, (0, 1))]
+
+
+def _lanes(n: int, **kw: Any) -> LanedAdmission:
+    args = {"max_queued_requests": 8, "max_queued_tokens": 10_000, **kw}
+    return LanedAdmission([AdmissionController(**args) for _ in range(n)], {})
+
+
+def test_p0s_spread_over_the_lanes_by_the_ones_waiting_for_a_first_output() -> None:
+    adm = _lanes(2)
+    assert adm.admit("a", Priority.P0, 20, 10).lane == 0
+    assert adm.admit("b", Priority.P0, 20, 10).lane == 1  # lane 0 has a P0 waiting
+    assert adm.admit("c", Priority.P0, 20, 10).lane == 0  # one each: the fewest queued, lane 0
+    adm.started("b")  # lane 1's P0 got its first output
+    assert adm.admit("d", Priority.P0, 20, 10).lane == 1
+    assert adm.num_queued == 3
+    for k in "abcd":
+        adm.remove(k)
+    assert adm.num_queued == 0 and adm._assigned == {}
+
+
+def test_a_request_is_refused_only_when_every_lane_refuses_it() -> None:
+    adm = _lanes(2, max_queued_requests=1)
+    assert adm.admit("x", Priority.P2, 20, 10).lane == 0
+    assert adm.admit("y", Priority.P2, 20, 10).lane == 1  # lane 0 is full: the other lane takes it
+    with pytest.raises(OverloadedError) as e:
+        adm.admit("z", Priority.P2, 20, 10)
+    assert e.value.code == "queue_full" and "z" not in adm._assigned
+    # a P0 sheds a queued P2 in the lane it goes to, and only there
+    d = adm.admit("p", Priority.P0, 20, 10)
+    assert d.shed == ["x"] and d.lane == 0
+    assert adm.num_queued == 2
+    assert adm.refuse_early(Priority.P2) is None  # nothing refused by predicted wait: parse and admit
+
+
+class _StubClient:
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+        self.aborted: list[str] = []
+        self.is_dead = False
+        self.num_open_requests = 1
+
+    async def control(self, command: str, timeout: float = 600.0, **args: Any) -> dict[str, Any]:
+        self.commands.append(command)
+        return {"command": command, "lane": id(self)}
+
+    def abort(self, ids: list[str]) -> None:
+        self.aborted += ids
+
+
+def test_commands_reach_every_lane_but_profiling_the_first_and_aborts_follow_the_request() -> None:
+    a, b = _StubClient(), _StubClient()
+    client = LanedClient([a, b], {"r1": 1})  # type: ignore[list-item]
+    reply = asyncio.run(client.control("lora_load", name="x", path="/p"))
+    assert a.commands == ["lora_load"] and b.commands == ["lora_load"] and reply["lane"] == id(a)
+    asyncio.run(client.control("profile_start"))
+    assert a.commands == ["lora_load", "profile_start"] and b.commands == ["lora_load"]
+    client.abort(["r1-0", "r1-1"])
+    assert a.aborted == [] and b.aborted == ["r1-0", "r1-1"]
+    client.abort(["gone-0"])  # a request whose lane is forgotten: every lane is told (an unknown id is a no-op)
+    assert a.aborted == ["gone-0"] and b.aborted[-1] == "gone-0"
+    assert client.num_open_requests == 2 and not client.is_dead
+    b.is_dead = True
+    assert client.is_dead
+
+
+def test_more_than_one_engine_core_is_cpu_only() -> None:
+    with pytest.raises(ConfigError, match="data-parallel-size.*CPU only"):
+        load_settings(model="fake", data_parallel_size=2, device="cuda")
+    with pytest.raises(ConfigError, match="data-parallel-size"):
+        load_settings(model="fake", data_parallel_size=0)
+
+
+@pytest.fixture(scope="module")
+def dp_server() -> Any:
+    srv = start_fake_server(step_delay=0.01, data_parallel_size=2)
+    yield srv
+    srv.stop()
+
+
+async def _complete(client: httpx.AsyncClient, url: str, prompt: str, priority: str) -> httpx.Response:
+    return await client.post(url + "/v1/completions", headers={"x-priority": priority},
+                             json={"model": "fake", "prompt": prompt, "max_tokens": 6, "temperature": 0})  # fmt: skip
+
+
+def test_two_engine_cores_serve_requests_from_both_and_forget_them_after(dp_server: ServerThread) -> None:
+    state = dp_server.state
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            return await asyncio.gather(*(_complete(c, dp_server.url, f"hello {i}", "p0" if i % 2 else "p2")
+                                          for i in range(12)))  # fmt: skip
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 12
+    texts = [r.json()["choices"][0]["text"] for r in responses]
+    assert all(len(t) == 6 for t in texts)
+    # the same prompt gives the same greedy text whichever lane serves it
+    again = httpx.post(dp_server.url + "/v1/completions", json={"model": "fake", "prompt": "hello 3", "max_tokens": 6,
+                                                                "temperature": 0}, timeout=30)  # fmt: skip
+    assert again.json()["choices"][0]["text"] == texts[3]
+    assert isinstance(state.client, LanedClient)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(c.stats.num_steps for c in state.client.clients):
+        time.sleep(0.05)
+    assert all(c.stats.num_steps > 0 for c in state.client.clients)  # both engines served
+    assert state.client.stats.num_steps == sum(c.stats.num_steps for c in state.client.clients)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (state.client._lanes or state.client.num_open_requests):
+        time.sleep(0.05)
+    assert state.admission.num_queued == 0 and state.client.num_open_requests == 0
+    assert state.client._lanes == {}  # no request left assigned to a lane
+
+
+def test_a_client_gone_mid_stream_is_aborted_in_its_lane(dp_server: ServerThread) -> None:
+    body = {"model": "fake", "prompt": "long one", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", dp_server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            break  # the first event, then hang up
+    client = dp_server.state.client
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and client.num_open_requests:
+        time.sleep(0.05)
+    assert client.num_open_requests == 0 and dp_server.state.admission.num_queued == 0
+    assert httpx.get(dp_server.url + "/health", timeout=5).status_code == 200
+
+
+def test_one_engine_core_dying_fails_its_requests_and_the_health_check() -> None:
+    srv = start_fake_server(step_delay=0.02, data_parallel_size=2)
+    try:
+        client = srv.state.client
+        assert isinstance(client, LanedClient)
+        body = {"model": "fake", "prompt": "doomed", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # started, in some lane
+            (lane,) = client._lanes.values()
+            pid = client.clients[lane].pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "the engine core process died" in rest and rest.strip().endswith("data: [DONE]")
+        assert client.is_dead and not client.clients[1 - lane].is_dead
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+    finally:
+        srv.stop()
