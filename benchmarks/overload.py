@@ -3,9 +3,11 @@
     python benchmarks/overload.py                                   # full run, see durations below
     python benchmarks/overload.py --step-s 5 --calibrate-s 5 --targets sluice   # smoke, ~2 min
 
-Three servers, one after the other, each measured against its own capacity:
+Four servers, one after the other, each measured against its own capacity:
 
     sluice    ``sluice serve --model smollm2`` with default settings (no --slo: the auto targets)
+    sluice-dp the same with ``--data-parallel-size 2``: two engine cores of one thread each behind
+              one API process (NOTE(data-parallel) in sluice/server/lanes.py)
     gateway   ``sluice gateway`` (least_load, graded degradation) in front of two ``sluice serve``
               replicas of one engine thread each
     vllm      vLLM-CPU (``--scheduling-policy priority``, requests carry ``priority``) on the
@@ -25,7 +27,7 @@ their class's target (a 429 is a miss); goodput = such requests per second.
 
 Durations: with the defaults (60 s steps, 20 s calibration) one server takes
 about 6.5 minutes of load plus start-up (sluice ~15 s, vLLM ~2-3 min): about
-25 minutes for all three on 2 cores.  Run it on a quiet machine: every number
+32 minutes for all four on 2 cores.  Run it on a quiet machine: every number
 moves with what else the cores are doing.
 
 Prints a table per server, writes section ``overload`` of docs/benchmarks.md
@@ -143,9 +145,10 @@ def _sluice_serve(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
 def start_server(name: str, args: argparse.Namespace) -> Iterator[Server]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        if name == "sluice":
+        if name in ("sluice", "sluice-dp"):
             port = _free_port()
-            procs.append(_sluice_serve(port, args.sluice_args.split()))
+            dp = ["--data-parallel-size", "2"] if name == "sluice-dp" else []
+            procs.append(_sluice_serve(port, [*dp, *args.sluice_args.split()]))
             server = Server(name, f"http://127.0.0.1:{port}", "smollm2", False, procs)
             _wait_healthy(server.url, procs, 300)
         elif name == "gateway":
@@ -391,7 +394,7 @@ _SERVER_SERIES = ("sluice_time_to_first_token_seconds", "sluice_queue_time_secon
 async def server_sums(server: Server) -> dict[str, float]:
     """``{series:class: (sum, count)}`` of the server-side TTFT and queue-time histograms (sluice only)."""
     out: dict[str, float] = {}
-    if server.name != "sluice":
+    if server.name not in ("sluice", "sluice-dp"):
         return out
     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
         async with aiohttp.ClientSession() as s, asyncio.timeout(10), s.get(server.url + "/metrics") as r:
@@ -480,7 +483,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    styles = {"sluice": "o-", "gateway": "s--", "vllm": "^:"}
+    styles = {"sluice": "o-", "sluice-dp": "D-", "gateway": "s--", "vllm": "^:"}
     for name, res in results.items():
         xs = [float(m) for m in res["steps"]]
         for ax, c in zip(axes[:3], CLASSES, strict=True):
@@ -525,7 +528,8 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--targets", default="sluice,gateway,vllm", help="comma-separated: sluice, gateway, vllm")
+    ap.add_argument("--targets", default="sluice,sluice-dp,gateway,vllm",
+                    help="comma-separated: sluice, sluice-dp, gateway, vllm")
     ap.add_argument("--step-s", type=float, default=60.0, help="seconds per load step")
     ap.add_argument("--loads", type=lambda v: tuple(float(x) for x in v.split(",")), default=MULTIPLIERS,
                     help="comma-separated multiples of the capacity, e.g. 1,3 (default 0.5,1,2,3,5)")
@@ -556,7 +560,8 @@ def main() -> None:
             f"prompts ending in a colon (the first token is text), {args.max_tokens} output "
             "tokens (ignore_eos), streaming. SLA per class from the server's lone TTFT L: p0 <= 4 L, "
             "p1 <= max(2 s, 10 L), p2 <= max(5 s, 25 L); attainment is the share of *sent* requests served "
-            "within it (a 429 is a miss). sluice runs with default settings (no `--slo`); gateway = "
+            "within it (a 429 is a miss). sluice runs with default settings (no `--slo`); sluice-dp = the same with "
+            "`--data-parallel-size 2` (two one-thread engine cores behind one API process); gateway = "
             "`sluice gateway` over two one-thread replicas; vllm = vLLM-CPU `--scheduling-policy priority`.\n\n"
             + "\n".join(lines) + f"\n\n{text}\n\n![overload](overload.png)\n\n{machine_line()}; 1-min load average "
             f"{load_before:.1f} before, {load_after:.1f} after.\n"
