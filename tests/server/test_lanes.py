@@ -5,9 +5,11 @@ client's routing, and a server with two fake engine cores end to end."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -207,5 +209,50 @@ def test_one_engine_core_dying_fails_its_requests_and_the_health_check() -> None
         assert "the engine core process died" in rest and rest.strip().endswith("data: [DONE]")
         assert client.is_dead and not client.clients[1 - lane].is_dead
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+    finally:
+        srv.stop()
+
+
+def test_two_real_engine_cores_load_an_adapter_each_and_answer_alike(tmp_path: Path) -> None:
+    """The tiny random Llama on two lanes: an adapter loaded over HTTP is loaded by both engines, and the
+    same greedy request gives the same tokens from either lane (same weights, batch-invariant kernels)."""
+    from sluice.models.config import ModelConfig
+    from sluice.server.app import build_app
+    from tests.lora_factory import make_lora_dir
+    from tests.model_factory import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "tiny-llama")
+    cfg = ModelConfig.from_hf(json.loads((model / "config.json").read_text()))
+    adapter = make_lora_dir(tmp_path / "a", cfg, rank=4, seed=1)
+    s = load_settings(model=str(model), kv_cache_memory="32MiB", max_model_len=512, max_lora_rank=16,
+                      data_parallel_size=2, num_threads=1)  # fmt: skip
+    srv = ServerThread(build_app(s)).start(timeout=180)
+    try:
+        client = srv.state.client
+        assert isinstance(client, LanedClient)
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 10  # each engine publishes its stats with the load's reply
+        while time.monotonic() < deadline and not all(c.stats.lora and "a" in c.stats.lora.adapters
+                                                      for c in client.clients):  # fmt: skip
+            time.sleep(0.05)
+        assert all(c.stats.lora and "a" in c.stats.lora.adapters for c in client.clients)
+
+        async def run() -> list[httpx.Response]:
+            body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*(c.post(srv.url + "/v1/completions", json={**body, "model": m},
+                                                     headers={"x-priority": "p0"})  # fmt: skip
+                                              for m in ("a", "a", "a", "a", base, base, base, base)))
+
+        base = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        before = [c.stats.num_steps for c in client.clients]
+        responses = asyncio.run(run())
+        assert [r.status_code for r in responses] == [200] * 8
+        texts = [r.json()["choices"][0]["text"] for r in responses]
+        assert len(set(texts[:4])) == 1 and len(set(texts[4:])) == 1  # the same answer from either lane
+        assert [c.stats.num_steps for c in client.clients] != before
+        assert all(c.stats.num_steps > b for c, b in zip(client.clients, before, strict=True))  # both lanes ran
     finally:
         srv.stop()
