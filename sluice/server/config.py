@@ -155,9 +155,8 @@ def load_settings(
         settings = ServerSettings.model_validate(nested)
         settings.engine.validate()
         if settings.data_parallel_size > 1 and settings.engine.device != "cpu":
-            raise ConfigError(f"{settings.data_parallel_size} engine cores: more than one engine core "
-                              f"runs on the CPU only, not --device {settings.engine.device}",
-                              setting="data_parallel_size")  # fmt: skip
+            raise ConfigError(f"{settings.data_parallel_size} engine cores run on the CPU only, not on "
+                              f"--device {settings.engine.device}", setting="data_parallel_size")  # fmt: skip
         return settings
 
     return r.build(make)
