@@ -282,10 +282,8 @@ class LanedAdmission:
         self._assigned.pop(key, None)
 
     def overdue(self) -> list[str]:
-        keys = [k for adm in self.lanes for k in adm.overdue()]
-        for k in keys:
-            self._assigned.pop(k, None)
-        return keys
+        """Every lane's overdue requests; each keeps its lane until ``remove`` (the shed's abort goes there)."""
+        return [k for adm in self.lanes for k in adm.overdue()]
 
     def observe_output_tokens(self, num_generated: int) -> None:
         for adm in self.lanes:
