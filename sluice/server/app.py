@@ -26,7 +26,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -143,7 +142,7 @@ def build_app(
     assigned: dict[str, int] = {}  # request uid -> lane, with n > 1
 
     def _on_stats(lane: int, stats: EngineStats) -> None:
-        metrics.observe_stats(stats if n == 1 else laned.lane_stats(lane, stats))
+        metrics.observe_stats(stats)  # with lanes the gauges read their merged stats at scrape time (below)
         admissions[lane].observe_stats(stats)
         st = state_box.get("state")
         if st is not None and st.serving is not None:
@@ -161,8 +160,6 @@ def build_app(
                 numa_node=placement.engine_node if placement else None,
                 pyroscope_server=settings.pyroscope_server,
             )
-            if cpus and engine_config.num_threads is None:
-                engine_config = replace(engine_config, num_threads=len(cpus))
         clients.append(EngineClient(
             engine_config,
             engine_factory=factory,
@@ -170,9 +167,12 @@ def build_app(
             on_stats=functools.partial(_on_stats, lane),
             on_lora_loads=lambda records: record_lora_loads(tracing, metrics, records),
         ))  # fmt: skip
-    laned = LanedClient(clients, assigned)
-    client: AnyClient = clients[0] if n == 1 else laned
-    admission: AnyAdmission = admissions[0] if n == 1 else LanedAdmission(admissions, assigned)
+    client: AnyClient = clients[0]
+    admission: AnyAdmission = admissions[0]
+    if n > 1:
+        laned = client = LanedClient(clients, assigned)
+        admission = LanedAdmission(admissions, assigned)
+        metrics.engine.source = lambda: laned.stats
     metrics.signal.source = admission.signal
     state = ServerState(
         settings=settings,

@@ -27,8 +27,9 @@ interface of one of each:
 - Aborts and releases follow the request to its lane; operator commands go to
   every lane (a LoRA adapter is loaded by each engine), except profiling, which
   follows the first engine core.
-- Stats are summed over the lanes for the metrics and ``/admin/kv``
-  (``merge_stats``); each lane's admission reads its own engine's.
+- Stats are summed over the lanes for the metrics (at scrape time) and
+  ``/admin/kv`` (``merge_stats``); each lane's admission reads its own engine's,
+  and each lane's KV tier load waits go to the metrics as its stats arrive.
 
 The engines share nothing: each has its model weights, KV cache
 (``--kv-cache-memory`` each), slots (``--max-num-seqs`` each) and, with
@@ -42,8 +43,6 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any, TypeAlias
-
-import msgspec
 
 from sluice.engine.config import EngineConfig, ModelInfo
 from sluice.engine.protocol import EngineRequest, EngineStats, KVTierStats
@@ -64,10 +63,13 @@ def lane_configs(
     """Each lane's engine config and cores (``cpus``: the engine cores of ``--cpu-affinity``, None: not pinned).
 
     The cores are cut into ``n`` runs of neighbours (every lane gets them all when there are fewer than
-    ``n``); ``--num-threads`` not given, a lane runs on its share of the cores; ``--kv-disk-dir`` gets a
-    subdirectory ``lane-<i>`` per lane, so that no two engines write one tier.
+    ``n``); ``--num-threads`` not given, a lane runs on its share of the cores (one engine: a thread per
+    pinned core, else the engine's default); ``--kv-disk-dir`` gets a subdirectory ``lane-<i>`` per lane,
+    so that no two engines write one tier.
     """
     if n == 1:
+        if cpus and config.num_threads is None:  # pinned: a thread per core it was given
+            config = dataclasses.replace(config, num_threads=len(cpus))
         return [(config, cpus)]
     shares: list[tuple[int, ...] | None] = [cpus] * n
     split = cpus is not None and len(cpus) >= n
@@ -139,7 +141,6 @@ class LanedClient:
         self.clients = clients
         self._lanes = lanes  # request uid -> lane, written by LanedAdmission.admit
         self.ready = asyncio.Event()
-        self._lane_stats: list[EngineStats] = [EngineStats() for _ in clients]
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -177,17 +178,10 @@ class LanedClient:
 
     # -- stats -----------------------------------------------------------------------
 
-    def lane_stats(self, lane: int, stats: EngineStats) -> EngineStats:
-        """Record lane ``lane``'s new stats; return the merged stats, the KV tiers' load waits being this
-        lane's only (each wait is in exactly one snapshot)."""
-        prev = self._lane_stats
-        self._lane_stats = [*prev[:lane], stats, *prev[lane + 1:]]
-        quiet = [s if i == lane else _without_waits(s) for i, s in enumerate(self._lane_stats)]
-        return merge_stats(quiet)
-
     @property
     def stats(self) -> EngineStats:
-        return merge_stats(self._lane_stats)
+        """The engines' last stats merged (merged when read: /metrics at scrape time, /admin/kv)."""
+        return merge_stats([c.stats for c in self.clients])
 
     # -- requests ------------------------------------------------------------------
 
@@ -220,13 +214,6 @@ class LanedClient:
     @property
     def num_open_requests(self) -> int:
         return sum(c.num_open_requests for c in self.clients)
-
-
-def _without_waits(s: EngineStats) -> EngineStats:
-    if not any(t.recent_load_seconds for t in s.kv_tiers):
-        return s
-    tiers = [msgspec.structs.replace(t, recent_load_seconds=[]) for t in s.kv_tiers]
-    return msgspec.structs.replace(s, kv_tiers=tiers)
 
 
 class LanedAdmission:

@@ -158,13 +158,19 @@ class ServerMetrics:
 
 
 class EngineStatsCollector(Collector):
-    """Engine gauges and counters from the latest ``EngineStats`` snapshot."""
+    """Engine gauges and counters from the latest ``EngineStats`` snapshot.
+
+    ``source``, when set, gives the snapshot at scrape time instead: with several engine cores
+    (NOTE(data-parallel) in sluice.server.lanes) the app sets it to their merged stats, so a step
+    still costs one assignment and the merge runs once a scrape.
+    """
 
     def __init__(self) -> None:
         self.latest = EngineStats()
+        self.source: Callable[[], EngineStats] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        s = self.latest
+        s = self.latest if self.source is None else self.source()
         yield GaugeMetricFamily("sluice_num_requests_running", "Requests running in the engine.", value=s.num_running)
         yield GaugeMetricFamily("sluice_num_requests_waiting", "Requests waiting in the engine.", value=s.num_waiting)
         for name, values, doc in (

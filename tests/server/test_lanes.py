@@ -5,6 +5,7 @@ client's routing, and a server with two fake engine cores end to end."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from sluice.errors import ConfigError, OverloadedError
 from sluice.server.admission import AdmissionController
 from sluice.server.config import load_settings
 from sluice.server.lanes import LanedAdmission, LanedClient, lane_configs, merge_stats
+from sluice.server.telemetry import ServerMetrics
 from sluice.types import Priority
 from tests.server.conftest import ServerThread, start_fake_server
 
@@ -43,14 +45,19 @@ def test_merge_stats_sums_amounts_averages_levels_and_joins_lists() -> None:
     assert merge_stats([a]) is a
 
 
-def test_lane_stats_count_each_tier_wait_once() -> None:
-    client = LanedClient([_StubClient(), _StubClient()], {})  # type: ignore[list-item]
-    s0 = EngineStats(num_running=1, kv_tiers=[KVTierStats(name="disk", recent_load_seconds=[0.5])])
-    s1 = EngineStats(num_running=2, kv_tiers=[KVTierStats(name="disk", recent_load_seconds=[0.25])])
-    assert client.lane_stats(0, s0).kv_tiers[0].recent_load_seconds == [0.5]
-    merged = client.lane_stats(1, s1)  # lane 0's wait was reported with its own snapshot already
-    assert merged.num_running == 3 and merged.kv_tiers[0].recent_load_seconds == [0.25]
+def test_lanes_metrics_merge_at_scrape_and_count_each_tier_wait_once() -> None:
+    a, b = _StubClient(), _StubClient()
+    client = LanedClient([a, b], {})  # type: ignore[list-item]
+    metrics = ServerMetrics("m")
+    metrics.engine.source = lambda: client.stats
+    a.stats = EngineStats(num_running=1, kv_tiers=[KVTierStats(name="disk", recent_load_seconds=[0.5])])
+    metrics.observe_stats(a.stats)  # what the app does with each lane's stats as they arrive
+    b.stats = EngineStats(num_running=2, kv_tiers=[KVTierStats(name="disk", recent_load_seconds=[0.25])])
+    metrics.observe_stats(b.stats)
     assert client.stats.num_running == 3
+    text = metrics.render().decode()
+    assert "sluice_num_requests_running 3.0" in text  # the merged snapshot, read at scrape time
+    assert 'sluice_kv_tier_load_seconds_count{tier="disk"} 2.0' in text  # each lane's wait once
 
 
 def test_lane_configs_share_the_cores_threads_and_tier_directories() -> None:
@@ -64,7 +71,9 @@ def test_lane_configs_share_the_cores_threads_and_tier_directories() -> None:
     # threads given: kept; not pinned: the cores this process may use, shared out
     assert all(c.num_threads == 3 for c, _ in lane_configs(EngineConfig(model="fake", num_threads=3), 2, None))
     assert all(c.num_threads and c.num_threads >= 1 for c, _ in lane_configs(EngineConfig(model="fake"), 2, None))
-    assert lane_configs(cfg, 1, (0, 1)) == [(cfg, (0, 1))]
+    # one engine: a thread per pinned core, else the engine's default
+    assert lane_configs(cfg, 1, (0, 1)) == [(dataclasses.replace(cfg, num_threads=2), (0, 1))]
+    assert lane_configs(cfg, 1, None) == [(cfg, None)]
 
 
 def _lanes(n: int, **kw: Any) -> LanedAdmission:
@@ -105,6 +114,7 @@ class _StubClient:
         self.aborted: list[str] = []
         self.is_dead = False
         self.num_open_requests = 1
+        self.stats = EngineStats()
 
     async def control(self, command: str, timeout: float = 600.0, **args: Any) -> dict[str, Any]:
         self.commands.append(command)
