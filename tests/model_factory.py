@@ -66,4 +66,22 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     model.save_pretrained(str(path), safe_serialization=True)
     load_tokenizer("smollm2").hf.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": kw["eos_token_id"], "bos_token_id": kw["bos_token_id"]}))
+    _stable_mtimes(path)
     return path
+
+
+def _stable_mtimes(path: Path) -> None:
+    """Give each weight file an mtime drawn from its content's hash.
+
+    A HF folder's cache key (models/source.py) is its config plus each weight
+    file's name, size and mtime: with fresh mtimes, every run of the suite added
+    new converted-weights cache entries for the same models.  With these, the
+    same model gets the same key run after run, and a different one another.
+    """
+    import hashlib
+    import os
+
+    for f in sorted(path.glob("*.safetensors")):
+        h = int.from_bytes(hashlib.sha256(f.read_bytes()).digest()[:4], "little")
+        t = 1_000_000_000 + h  # 2001-2137: plain seconds, any filesystem keeps them
+        os.utime(f, (t, t))

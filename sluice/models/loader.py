@@ -26,6 +26,7 @@ from sluice.models.files import (
     load_model_config,
     unpermute,
 )
+from sluice.models.model_cache import bound_cache, mark_used, max_cache_bytes
 from sluice.models.source import (
     ModelSource,
     cache_dir,
@@ -53,6 +54,8 @@ _gguf_hf_name = gguf_hf_name
 #   ~/.cache/sluice/models-v3/<file digest>/<quantization variant>/{manifest.json, model.safetensors}
 # and later loads read those (memory-mapped) and never open the GGUF.  Written
 # to a temp dir and renamed, so a crash never leaves a half-written cache.
+# The cache is bounded (SLUICE_MODEL_CACHE_MAX_GB, least recently used entries
+# removed first: NOTE(model-cache-bound) in models/model_cache.py).
 
 log = logging.getLogger("sluice.models")
 
@@ -93,6 +96,7 @@ def _atomic_dir_write(target: Path, files: dict[str, Any]) -> None:
 
 def _read_cached_model(source: ModelSource, variant: str) -> tuple[dict[str, Any], dict[str, Any], Path] | None:
     root = model_cache_root(source)
+    mark_used(root)  # before reading, so that a bound applied meanwhile keeps it (NOTE(model-cache-bound))
     cfg, manifest, weights = root / "config.json", root / variant / "manifest.json", root / variant / "model.safetensors"
     if not (cfg.is_file() and manifest.is_file() and weights.is_file()):
         return None
@@ -149,20 +153,26 @@ def load_model(
         quantization = "none"  # a float checkpoint: auto serves it as it is
     variant = _variant(quantization, quant_fallback, dtype)
     use_cache = source.kind == "gguf" or quantization != "none" or fmt != "float"
+    if use_cache:
+        max_cache_bytes()  # a bad SLUICE_MODEL_CACHE_MAX_GB fails here, before any work
     cached = _read_cached_model(source, variant) if use_cache else None
     if cached is not None:
         # sluice-native tensors: assign them, no copy, no conversion
         from safetensors.torch import load_file
 
         raw_cfg, manifest, weights = cached
-        model = build(raw_cfg, "meta")
-        model.apply_manifest(manifest["linears"])
-        sd = load_file(str(weights), device=device)  # stored in the serving dtype (the variant says which)
         try:
-            model.load_state_dict(sd, strict=True, assign=True)
-        except RuntimeError as e:
-            raise ModelLoadError(f"converted-weights cache {weights} does not match the model: {e}") from e
-        return finish(model)
+            stored = load_file(str(weights), device=device)  # in the serving dtype (the variant says which)
+        except FileNotFoundError:  # removed by another process's cache bound since: convert again
+            stored = None
+        if stored is not None:
+            model = build(raw_cfg, "meta")
+            model.apply_manifest(manifest["linears"])
+            try:
+                model.load_state_dict(stored, strict=True, assign=True)
+            except RuntimeError as e:
+                raise ModelLoadError(f"converted-weights cache {weights} does not match the model: {e}") from e
+            return finish(model)
 
     if quantization == "none" and fmt in ("gguf", "float"):
         if source.kind == "gguf":
@@ -198,6 +208,7 @@ def load_model(
             _atomic_file_write(root / "config.json", json.dumps(raw_cfg))
         manifest_doc = {"linears": model.manifest(), "report": report, "layout": LAYOUT_VERSION}
         _atomic_dir_write(root / variant, {"manifest.json": json.dumps(manifest_doc), "model.safetensors": model.state_dict()})
+        bound_cache(root.parent, keep=root)
     return model
 
 
