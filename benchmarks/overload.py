@@ -144,6 +144,7 @@ def _sluice_serve(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
 @contextlib.contextmanager
 def start_server(name: str, args: argparse.Namespace) -> Iterator[Server]:
     procs: list[subprocess.Popen[bytes]] = []
+    path: Path | None = None  # the gateway's config file
     try:
         if name in ("sluice", "sluice-dp"):
             port = _free_port()
@@ -184,6 +185,8 @@ def start_server(name: str, args: argparse.Namespace) -> Iterator[Server]:
         yield server
     finally:
         _stop(procs)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the client

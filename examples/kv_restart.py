@@ -11,6 +11,7 @@ from disk instead of being recomputed, and the answers are the same.
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,9 +50,13 @@ if __name__ == "__main__":
         print(json.dumps(run(a.dir, "after restart")))
         sys.exit(0)
     disk_dir = a.dir or tempfile.mkdtemp(prefix="sluice-kv-")
-    first = run(disk_dir, "first run")
-    second = subprocess.run([sys.executable, __file__, "--dir", disk_dir, "--after-restart"],
-                            capture_output=True, text=True, check=True)
+    try:
+        first = run(disk_dir, "first run")
+        second = subprocess.run([sys.executable, __file__, "--dir", disk_dir, "--after-restart"],
+                                capture_output=True, text=True, check=True)
+    finally:
+        if a.dir is None:  # the temporary tier goes; yours stays for the next run
+            shutil.rmtree(disk_dir, ignore_errors=True)
     *lines, answers = second.stdout.strip().splitlines()
     print("\n".join(lines))
     same = json.loads(answers) == first

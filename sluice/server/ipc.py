@@ -32,7 +32,7 @@ from sluice.engine.protocol import (
     EngineRequest,
 )
 
-__all__ = ["IpcPaths", "Kind", "encode", "Decoders"]
+__all__ = ["IpcPaths", "Kind", "encode", "Decoders", "sweep_stale_ipc_dirs"]
 
 
 class Kind:
@@ -45,6 +45,9 @@ class Kind:
     CONTROL_REPLY = b"K"
 
 
+_PREFIX = "sluice-ipc-"  # + the API process's pid: NOTE(ipc-sweep)
+
+
 @dataclass(frozen=True)
 class IpcPaths:
     directory: str
@@ -53,7 +56,8 @@ class IpcPaths:
 
     @classmethod
     def create(cls) -> IpcPaths:
-        d = tempfile.mkdtemp(prefix="sluice-ipc-")
+        sweep_stale_ipc_dirs()
+        d = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
         return cls(d, f"ipc://{d}/in", f"ipc://{d}/out")
 
     def cleanup(self) -> None:
@@ -62,6 +66,39 @@ class IpcPaths:
                 os.unlink(os.path.join(self.directory, name))
         with contextlib.suppress(OSError):
             os.rmdir(self.directory)
+
+
+def sweep_stale_ipc_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the socket dirs of API processes that are gone (killed with no shutdown).
+
+    NOTE(ipc-sweep): a dir is named ``sluice-ipc-<API pid>-<random>``; ``close()``
+    removes it, but a process killed with SIGKILL leaves it behind.  A dir whose
+    pid no longer runs, holding nothing but the two sockets, is removed by the
+    next server to start.  Returns the dirs removed.
+    """
+    removed = []
+    root = tmp or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
+            if not pid.isdigit() or _is_running(int(pid)):
+                continue
+            d = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if set(os.listdir(d)) <= {"in", "out"}:
+                    IpcPaths(d, "", "").cleanup()
+                    removed.append(d)
+    return removed
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it runs
+        return True
+    return True
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -139,9 +139,14 @@ class Profiler:
                 sampling = await self.sampler.sample(targets, req.seconds, run, rate=req.rate, native=req.native)
             else:
                 await asyncio.sleep(req.seconds)
-        finally:
-            if req.torch_trace:
-                trace = await self.control("profile_stop")
+        except BaseException:
+            if req.torch_trace:  # the engine's trace file of a failed profile goes with its run
+                stopped = await self.control("profile_stop")
+                if stopped.get("path"):
+                    Path(stopped["path"]).unlink(missing_ok=True)
+            raise
+        if req.torch_trace:
+            trace = await self.control("profile_stop")
         window = time.monotonic() - t0
         await asyncio.to_thread(self._write, run, req, sampling, trace)
         summary = {

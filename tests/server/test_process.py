@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -37,11 +38,15 @@ def spawn():
         return proc, url
 
     yield make
-    for p in procs:
+    for p in procs:  # a clean shutdown first, so each server removes its sockets' dir
         if p.poll() is None:
-            for child in psutil.Process(p.pid).children(recursive=True):
-                child.kill()
-            p.kill()
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
+                p.kill()
         p.wait(10)
 
 
@@ -133,3 +138,35 @@ def test_health_is_503_until_the_engine_is_ready() -> None:
         assert codes[-1] == 200, "/health turns 200 once the engine core is ready"
     finally:
         srv.stop()
+
+
+def _ipc_dirs(root: Path, pid: int) -> list[Path]:
+    return sorted(root.glob(f"sluice-ipc-{pid}-*"))
+
+
+def test_a_killed_servers_socket_dir_is_removed_by_the_next_server(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the servers' temp dir
+    killed, _ = _start("--step-delay", "0.01")
+    try:
+        assert len(_ipc_dirs(tmp_path, killed.pid)) == 1, "a server's sockets live in a dir named by its pid"
+        engine = _engine_pid(killed.pid)
+        killed.kill()
+        killed.wait(10)
+        os.kill(engine, signal.SIGKILL)  # no shutdown path at all
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    assert len(_ipc_dirs(tmp_path, killed.pid)) == 1, "SIGKILL leaves the dir"
+    keep = tmp_path / f"sluice-ipc-{killed.pid}-withdata"  # not only sockets: not ours to remove
+    keep.mkdir()
+    (keep / "notes.txt").write_text("x")
+    nxt, _ = _start("--step-delay", "0.01")
+    try:
+        assert _ipc_dirs(tmp_path, killed.pid) == [keep], "the next server removes the dead server's dir"
+        assert len(_ipc_dirs(tmp_path, nxt.pid)) == 1, "and not its own"
+        nxt.terminate()
+        assert nxt.wait(20) == 0
+        assert _ipc_dirs(tmp_path, nxt.pid) == [], "a clean shutdown removes its own"
+    finally:
+        if nxt.poll() is None:
+            nxt.kill()

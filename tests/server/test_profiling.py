@@ -8,6 +8,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -123,6 +124,7 @@ def test_nothing_runs_between_profiles(server: ServerThread) -> None:
 def test_no_ptrace_permission_is_503_with_the_fix_and_leaves_nothing_on(server: ServerThread) -> None:
     sampler = server.app.state.profiler.sampler
     before = sorted(p.name for p in server.app.state.profiler.store.directory.iterdir())
+    traces = set(Path(tempfile.gettempdir()).glob("sluice-engine-trace-*"))
     sampler.command_prefix = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
     try:
         r = _profile(server.url, seconds=1)
@@ -133,6 +135,7 @@ def test_no_ptrace_permission_is_503_with_the_fix_and_leaves_nothing_on(server: 
     assert err["type"] == "profiler_unavailable" and "ptrace" in err["message"] and "SYS_PTRACE" in err["message"]
     after = sorted(p.name for p in server.app.state.profiler.store.directory.iterdir())
     assert after == before, "a failed profile leaves no half-written run behind"
+    assert set(Path(tempfile.gettempdir()).glob("sluice-engine-trace-*")) == traces, "nor the engine's trace file"
     ok = _profile(server.url, seconds=0.5)
     assert ok.status_code == 200, "the engine profiler was switched off: the next profile works"
 
