@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -73,8 +74,10 @@ def sweep_stale_ipc_dirs(tmp: str | None = None) -> list[str]:
 
     NOTE(ipc-sweep): a dir is named ``sluice-ipc-<API pid>-<random>``; ``close()``
     removes it, but a process killed with SIGKILL leaves it behind.  A dir whose
-    pid no longer runs, holding nothing but the two sockets, is removed by the
-    next server to start.  Returns the dirs removed.
+    pid no longer runs, holding nothing but the two sockets, neither of which
+    anything listens on, is removed by the next server to start (the listening
+    check keeps a live server's dir when another PID namespace shares the temp
+    dir).  Returns the dirs removed.
     """
     removed = []
     root = tmp or tempfile.gettempdir()
@@ -85,10 +88,22 @@ def sweep_stale_ipc_dirs(tmp: str | None = None) -> list[str]:
                 continue
             d = os.path.join(root, name)
             with contextlib.suppress(OSError):
-                if set(os.listdir(d)) <= {"in", "out"}:
+                files = set(os.listdir(d))
+                if files <= {"in", "out"} and not any(_is_listening(os.path.join(d, f)) for f in files):
                     IpcPaths(d, "", "").cleanup()
                     removed.append(d)
     return removed
+
+
+def _is_listening(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:  # anything else: not ours to judge
+            return True
+    return True
 
 
 def _is_running(pid: int) -> bool:

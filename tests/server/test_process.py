@@ -170,3 +170,22 @@ def test_a_killed_servers_socket_dir_is_removed_by_the_next_server(tmp_path: Pat
     finally:
         if nxt.poll() is None:
             nxt.kill()
+
+
+def test_the_sweep_keeps_a_dir_whose_socket_is_listened_on(tmp_path: Path) -> None:
+    import socket
+
+    from sluice.server.ipc import sweep_stale_ipc_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)  # a pid that no longer runs here, as another PID namespace's server's would look
+    live, dead = tmp_path / f"sluice-ipc-{gone.pid}-live", tmp_path / f"sluice-ipc-{gone.pid}-dead"
+    for d in (live, dead):
+        d.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as closed:
+        listener.bind(str(live / "in"))
+        listener.listen()
+        closed.bind(str(dead / "in"))  # bound, never listened on: what a killed server's socket is
+        assert sweep_stale_ipc_dirs(str(tmp_path)) == [str(dead)]
+    assert live.exists() and not dead.exists()
