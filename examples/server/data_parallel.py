@@ -1,18 +1,21 @@
 """One engine core, or two behind the same API process: `sluice serve --data-parallel-size 2`.
 
-    python examples/server/data_parallel.py            # sluice serve --model smollm2, twice (~1 min)
-    python examples/server/data_parallel.py --fake     # the fake engine of the tests (no model, ~10 s)
+    python examples/server/data_parallel.py            # sluice serve --model smollm2, three ways (~2 min)
+    python examples/server/data_parallel.py --fake     # the fake engine of the tests (no model, ~30 s)
 
-It starts the server with ``--data-parallel-size 1`` and then ``2``, runs the
-same closed loop against each (``--users`` concurrent clients, 16 output tokens
-each, ``--seconds`` long), and prints the requests served a second, the median
-time to first token, and the engine steps run (``/metrics``' step counter, summed
-over the engine cores).  On a CPU
-with few cores two one-thread engine cores serve more than one two-thread engine
-core under load (docs/server.md, "Several engine cores"); a lone request is
-slower on one thread.  The fake engine has no threads and batches every user in
-one step, so with ``--fake`` the two engines run twice the steps for the same
-requests: it shows the routing, not the speed.
+It starts the server with ``--data-parallel-size 1``, then ``2``, then ``2`` with
+``SLUICE_LANE_LEND=0``, and runs against each one user alone (a request after
+another: the time to first token and the time per output token of a lone
+stream) and then a closed loop of ``--users`` concurrent clients (16 output
+tokens each, ``--seconds`` long): the requests served a second, the median time
+to first token, and the engine steps run (``/metrics``' step counter, summed
+over the engine cores).  On a CPU with few cores two engine cores serve more
+than one engine core on every core under load (docs/server.md, "Several engine
+cores"); alone, a lane borrows the idle lane's cores (NOTE(lane-lend)), which
+``SLUICE_LANE_LEND=0`` turns off: a lone stream then runs on one thread.  The
+fake engine has no threads and batches every user in one step, so with
+``--fake`` the two engines run twice the steps for the same requests: it shows
+the routing, not the speed.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(fake: bool, port: int, lanes: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SLUICE_DATA_PARALLEL_SIZE": str(lanes)}
+def start(fake: bool, port: int, lanes: int, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SLUICE_DATA_PARALLEL_SIZE": str(lanes), **extra_env}
     if fake:  # the fake engine: 20 ms a step
         cmd = [sys.executable, "-m", "sluice.server.testing", "--port", str(port), "--step-delay", "0.02"]
     else:
@@ -59,30 +62,34 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0
     raise SystemExit("the server did not become healthy")
 
 
-async def closed_loop(url: str, users: int, seconds: float) -> tuple[int, list[float]]:
-    """Requests served and their TTFTs (s), ``users`` clients each sending one request after another."""
+async def closed_loop(url: str, users: int, seconds: float, max_tokens: int = 16) -> tuple[int, list[float], list[float]]:
+    """Requests served, their TTFTs and their times per output token (s), ``users`` clients each sending
+    one request after another."""
     ttfts: list[float] = []
+    tpots: list[float] = []
     served = 0
     end = time.monotonic() + seconds
 
     async def user(c: httpx.AsyncClient, i: int) -> None:
         nonlocal served
         while time.monotonic() < end:
-            body = {"prompt": f"Write a short note about owls, number {i}:", "max_tokens": 16, "stream": True,
-                    "ignore_eos": True}  # fmt: skip
+            body = {"prompt": f"Write a short note about owls, number {i}:", "max_tokens": max_tokens,
+                    "stream": True, "ignore_eos": True}  # fmt: skip
             t = time.perf_counter()
-            first = None
+            first = last = None
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: {"):
-                        first = time.perf_counter() - t
-            if r.status_code == 200 and first is not None:
+                    if line.startswith("data: {"):
+                        last = time.perf_counter()
+                        first = first or last
+            if r.status_code == 200 and first is not None and last is not None:
                 served += 1
-                ttfts.append(first)
+                ttfts.append(first - t)
+                tpots.append((last - first) / max(1, max_tokens - 1))
 
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=users)) as c:
         await asyncio.gather(*(user(c, i) for i in range(users)))
-    return served, ttfts
+    return served, ttfts, tpots
 
 
 def steps(url: str) -> float:
@@ -98,16 +105,21 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=10.0)
     a = ap.parse_args()
-    for lanes in (1, 2):
+    runs = [("--data-parallel-size 1", 1, {}), ("--data-parallel-size 2", 2, {}),
+            ("--data-parallel-size 2, SLUICE_LANE_LEND=0", 2, {"SLUICE_LANE_LEND": "0"})]  # fmt: skip
+    for name, lanes, env in runs:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start(a.fake, port, lanes)
+        proc = start(a.fake, port, lanes, env)
         try:
             wait_healthy(url, proc)
-            served, ttfts = asyncio.run(closed_loop(url, a.users, a.seconds))
-            print(f"--data-parallel-size {lanes}: {served / a.seconds:6.1f} requests/s, TTFT p50 "
-                  f"{1000 * statistics.median(ttfts):5.0f} ms, engine steps {steps(url):.0f} "
-                  f"({a.users} users, {a.seconds:g} s)", flush=True)  # fmt: skip
+            _, ttfts, tpots = asyncio.run(closed_loop(url, 1, a.seconds / 2, max_tokens=32))
+            print(f"{name}: alone: TTFT p50 {1000 * statistics.median(ttfts):5.1f} ms, "
+                  f"{1000 * statistics.median(tpots):5.1f} ms per output token", flush=True)
+            served, ttfts, _ = asyncio.run(closed_loop(url, a.users, a.seconds))
+            print(f"{name}: {a.users} users: {served / a.seconds:6.1f} requests/s, TTFT p50 "
+                  f"{1000 * statistics.median(ttfts):5.0f} ms, engine steps {steps(url):.0f} ({a.seconds:g} s)",
+                  flush=True)  # fmt: skip
         finally:
             proc.terminate()
             proc.wait(30)

@@ -36,7 +36,7 @@ from sluice.kernels.build_spec import (
 )
 
 __all__ = [
-    "load", "status", "set_work_pool", "work_pool_threads", "work_pool_waits", "PoolWaits", "KernelUnavailableError",
+    "load", "status", "set_work_pool", "set_work_pool_active", "work_pool_threads", "work_pool_waits", "PoolWaits", "KernelUnavailableError",
     "csrc_dir",
 ]
 
@@ -55,6 +55,7 @@ class _Registry:
         self.modules: dict[str, ModuleType] = {}
         self.info: dict[str, dict[str, Any]] = {}
         self.pool_threads = 0  # NOTE(work-pool): 0, torch's OpenMP; else every extension's loops on the pool
+        self.pool_active = 0  # NOTE(lane-lend): at most this many of them run a loop (0: all)
 
 
 _REG = _Registry()
@@ -150,6 +151,7 @@ def load(name: str) -> ModuleType:
 def _install(name: str, mod: ModuleType, **info: str) -> ModuleType:
     """Register a loaded extension (under ``_REG.lock``) with the pool's current setting applied."""
     mod.set_pool_threads(_REG.pool_threads)
+    mod.set_pool_active(_REG.pool_active)
     _REG.modules[name] = mod
     _REG.info[name] = {"how": info.pop("how"), "path": getattr(mod, "__file__", None), **info}
     return mod
@@ -167,6 +169,19 @@ def set_work_pool(threads: int) -> None:
         _REG.pool_threads = threads
         for mod in _REG.modules.values():
             mod.set_pool_threads(threads)
+
+
+def set_work_pool_active(threads: int) -> None:
+    """At most ``threads`` of the work pool's threads run a loop (0: all of them); its workers stay.
+
+    NOTE(lane-lend) in ``sluice.server.engine_setup``: an engine core process takes the cores another
+    engine core left idle, and gives them back when that one has work again."""
+    if threads < 0:
+        raise ValueError(f"active work pool threads must be >= 0, got {threads}")
+    with _REG.lock:
+        _REG.pool_active = threads
+        for mod in _REG.modules.values():
+            mod.set_pool_active(threads)
 
 
 def work_pool_threads() -> int:

@@ -461,7 +461,7 @@ class AdmissionController:
         self.mean_prompt_tokens += _EWMA * (prompt - self.mean_prompt_tokens)
         load = self.load()
         now = self._clock()
-        if not self._queued and self._engine_idle():  # a busy period starts (NOTE(surge-onset))
+        if self.is_idle:  # a busy period starts (NOTE(surge-onset))
             self._admitted_fast = [Rate(FAST_RATE_WINDOW_S) for _ in Priority]
             self._fast_since = now
         if self.slo is not None and load.is_measured:
@@ -476,9 +476,10 @@ class AdmissionController:
         self._admitted_fast[priority].tick(now)
         return Decision([e.key for e in victims], predicted, target)
 
-    def _engine_idle(self) -> bool:
-        """Whether the engine's last stats showed no request in it (or none came yet)."""
-        return self._stats is None or not _has_work(self._stats)
+    @property
+    def is_idle(self) -> bool:
+        """Nothing queued, and the engine's last stats showed no request in it (or none came yet)."""
+        return not self._queued and (self._stats is None or not _has_work(self._stats))
 
     def _predicted_wait(
         self, load: EngineLoad, priority: Priority, prompt: int, victims: list[_Entry], lower: list[_Entry]
@@ -554,8 +555,7 @@ class AdmissionController:
         if now - self._swept_at < OVERDUE_SWEEP_S:
             return []
         self._swept_at = now
-        keys = [e.key for e in self._queued.values()
-                if e.priority != Priority.P0 and e.target is not None
+        keys = [e.key for e in self._queued.values() if e.priority != Priority.P0 and e.target is not None
                 and now - e.submitted_at > OVERDUE_FACTOR * e.target]  # fmt: skip
         for k in keys:
             self.remove(k)

@@ -53,7 +53,14 @@ from sluice.server.engine_client import EngineClient
 from sluice.server.engine_proc import default_engine_factory
 from sluice.server.engine_setup import EngineProcessSetup
 from sluice.server.generation import Generation
-from sluice.server.lanes import AnyAdmission, AnyClient, LanedAdmission, LanedClient, lane_configs
+from sluice.server.lanes import (
+    AnyAdmission,
+    AnyClient,
+    LanedAdmission,
+    LanedClient,
+    lane_configs,
+    lane_lending,
+)
 from sluice.server.lora_routes import add_lora_routes, models_entries
 from sluice.server.profiling import add_profile_routes
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -150,6 +157,7 @@ def build_app(
 
     clients = []
     engine_cpus = placement.engine_cpus if placement is not None else None
+    lendings = lane_lending(settings.engine, n, engine_cpus)  # NOTE(lane-lend)
     for lane, (engine_config, cpus) in enumerate(lane_configs(settings.engine, n, engine_cpus)):
         factory = engine_factory or default_engine_factory
         if placement is not None or settings.pyroscope_server:
@@ -166,6 +174,7 @@ def build_app(
             on_dead=_dead,
             on_stats=functools.partial(_on_stats, lane),
             on_lora_loads=lambda records: record_lora_loads(tracing, metrics, records),
+            lending=lendings[lane],
         ))  # fmt: skip
     client: AnyClient = clients[0]
     admission: AnyAdmission = admissions[0]

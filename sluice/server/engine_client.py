@@ -38,7 +38,7 @@ from sluice.errors import (
     ServiceUnavailableError,
     SluiceError,
 )
-from sluice.server.engine_proc import default_engine_factory, run_engine_core
+from sluice.server.engine_proc import Lending, default_engine_factory, run_engine_core
 from sluice.server.ipc import Decoders, IpcPaths, Kind, encode
 
 __all__ = ["EngineClient", "RequestStream"]
@@ -78,8 +78,10 @@ class EngineClient:
         on_dead: Callable[[], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
         on_lora_loads: Callable[[list[LoRALoadRecord]], None] | None = None,
+        lending: Lending | None = None,
     ):
         self.config = config
+        self._lending = lending  # NOTE(lane-lend): goes to the engine core process
         self._factory = engine_factory or default_engine_factory
         self._on_dead = on_dead
         self._on_stats = on_stats
@@ -115,7 +117,7 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(self._factory, self.config, self._paths.input_addr, self._paths.output_addr),
+            args=(self._factory, self.config, self._paths.input_addr, self._paths.output_addr, self._lending),
             name="sluice-engine-core",
             daemon=True,
         )

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
@@ -39,7 +40,7 @@ from sluice.obs.heap import freeze_startup_heap
 from sluice.server.engine_setup import StepProfiler, profile_control
 from sluice.server.ipc import Decoders, Kind, encode
 
-__all__ = ["run_engine_core", "default_engine_factory"]
+__all__ = ["run_engine_core", "default_engine_factory", "Lending"]
 
 log = logging.getLogger("sluice.engine_core")
 
@@ -53,11 +54,18 @@ def default_engine_factory(config: EngineConfig) -> EngineCoreProtocol:
     return EngineCore(config)
 
 
+class Lending(Protocol):
+    """Told before each step whether this engine has work (NOTE(lane-lend) in ``sluice.server.lanes``)."""
+
+    def update(self, busy: bool) -> None: ...
+
+
 def run_engine_core(
     engine_factory: Callable[[EngineConfig], EngineCoreProtocol],
     config: EngineConfig,
     input_addr: str,
     output_addr: str,
+    lending: Lending | None = None,
 ) -> None:
     """Process entry point (spawned by ``EngineClient``)."""
     parent = os.getppid()
@@ -146,6 +154,8 @@ def run_engine_core(
         if os.getppid() != parent:
             break
         busy = engine.has_unfinished_requests()
+        if lending is not None:
+            lending.update(busy)
         outputs = (profiler.step(engine) if profiler.is_active else engine.step()) if busy else []
         loads = engine.take_lora_loads()
         if busy or was_busy or rejected or loads:

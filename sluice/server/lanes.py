@@ -31,9 +31,20 @@ interface of one of each:
   ``/admin/kv`` (``merge_stats``); each lane's admission reads its own engine's,
   and each lane's KV tier load waits go to the metrics as its stats arrive.
 
-The engines share nothing: each has its model weights, KV cache
+The engines share nothing but idle cores: each has its model weights, KV cache
 (``--kv-cache-memory`` each), slots (``--max-num-seqs`` each) and, with
 ``--kv-disk-dir``, a subdirectory ``lane-<i>`` of it.
+
+NOTE(lane-lend): one thread per lane made a lone request slower than one
+engine on every core.  Unpinned and with ``--num-threads`` not given, each
+engine's work pool gets a thread per core, and before each step an engine
+reads the lanes' idle marks (one shared value per lane, ``CoreLending``): with
+every other lane idle for ``LEND_AFTER_S`` or more it runs on all the cores,
+else on its share (``set_work_pool_active``).  The wait keeps a lane from
+borrowing in the short gaps between another's steps under load: borrowed
+there, the cores are wanted back mid-step, and a pool worker the OS then
+takes off its core holds its chunk (NOTE(pool-waits)).  The pool's extra workers sleep while not used.
+An engine that finds another busy gives the cores back at its next step.
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 from sluice.engine.config import EngineConfig, ModelInfo
@@ -51,10 +63,67 @@ from sluice.server.admission import AdmissionController, Decision
 from sluice.server.engine_client import EngineClient, RequestStream
 from sluice.types import Priority
 
-__all__ = ["AnyAdmission", "AnyClient", "LanedAdmission", "LanedClient", "lane_configs", "lane_of", "merge_stats"]
+__all__ = [
+    "AnyAdmission", "AnyClient", "CoreLending", "LanedAdmission", "LanedClient", "lane_configs", "lane_lending", "lane_of",
+    "merge_stats",
+]
 
 # fields that are a level, not an amount: the lanes' mean, not their sum
 _MEAN_FIELDS = frozenset({"kv_cache_usage", "step_time", "step_time_base", "step_time_per_token", "step_time_per_seq"})
+
+
+LEND_AFTER_S = 0.1  # another lane idle this long lends its cores (NOTE(lane-lend)): not a gap between its steps
+
+
+class CoreLending:
+    """One lane's side of NOTE(lane-lend): its idle mark, and the threads its engine's loops run on.
+
+    Made in the API process (``lane_lending``) and handed to the lane's engine core process, which
+    calls ``update`` before each step."""
+
+    def __init__(self, marks: Any, lane: int, own: int, lent: int, clock: Callable[[], float] = time.monotonic):
+        # a shared double per lane (multiprocessing RawArray; each lane writes only its own): 0 while that
+        # engine has work, else when it went idle (CLOCK_MONOTONIC, the same in every process)
+        self.marks = marks
+        self.lane, self.own, self.lent = lane, own, lent
+        self.clock = clock
+        self.active = 0  # the work pool's setting now (0: not set yet)
+
+    def update(self, busy: bool) -> None:
+        now = self.clock()
+        if not busy:
+            if self.marks[self.lane] == 0.0:
+                self.marks[self.lane] = now
+            return
+        self.marks[self.lane] = 0.0
+        idle = all(0.0 < self.marks[i] <= now - LEND_AFTER_S for i in range(len(self.marks)) if i != self.lane)
+        want = self.lent if idle else self.own
+        if want != self.active:
+            from sluice.kernels import ext
+
+            ext.set_work_pool_active(want)
+            self.active = want
+
+
+def _lends(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> int:
+    """The cores a lane may borrow (NOTE(lane-lend)): all this process's when unpinned, ``--num-threads``
+    not given and more than one lane shares them; 0 otherwise."""
+    if n < 2 or cpus is not None or config.num_threads is not None or os.environ.get("SLUICE_LANE_LEND") == "0":
+        return 0
+    cores = len(os.sched_getaffinity(0))
+    return cores if cores >= 2 else 0
+
+
+def lane_lending(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> list[CoreLending | None]:
+    """Each lane's ``CoreLending`` (NOTE(lane-lend)), or None for every lane where the cores are not lent."""
+    cores = _lends(config, n, cpus)
+    if not cores:
+        return [None] * n
+    import multiprocessing
+
+    marks = multiprocessing.get_context("spawn").RawArray("d", n)
+    marks[:] = [time.monotonic()] * n  # every lane idle since now
+    return [CoreLending(marks, i, max(1, cores // n), cores) for i in range(n)]
 
 
 def lane_configs(
@@ -79,11 +148,12 @@ def lane_configs(
         starts = [i * size + min(i, extra) for i in range(n + 1)]
         shares = [cpus[starts[i]:starts[i + 1]] for i in range(n)]
     out = []
+    lent = _lends(config, n, cpus)
     for i, share in enumerate(shares):
         cfg = config
         if cfg.num_threads is None:
             cores = len(share) if split and share else len(cpus or os.sched_getaffinity(0)) // n
-            cfg = dataclasses.replace(cfg, num_threads=max(1, cores))
+            cfg = dataclasses.replace(cfg, num_threads=lent or max(1, cores))  # lent: a pool thread per core
         if cfg.kv_disk_dir:
             cfg = dataclasses.replace(cfg, kv_disk_dir=os.path.join(cfg.kv_disk_dir, f"lane-{i}"))
         out.append((cfg, share))
@@ -227,7 +297,14 @@ class LanedAdmission:
     # -- choosing a lane -----------------------------------------------------------
 
     def _order(self, priority: Priority, num_prompt_tokens: int) -> list[int]:
-        """The lanes in the order a new request tries them (module docstring)."""
+        """The lanes in the order a new request tries them (module docstring).
+
+        Every lane idle: the first, so that a lone stream stays in one lane, and that lane finds the others
+        idle long enough to borrow their cores (NOTE(lane-lend)); the lanes' predictions differ then by their
+        measurements' noise only."""
+        if all(adm.is_idle for adm in self.lanes):
+            return list(range(len(self.lanes)))
+
         def key(i: int) -> tuple[int, float, int]:
             adm = self.lanes[i]
             p0_waiting = adm.num_queued_of(Priority.P0) if priority == Priority.P0 else 0

@@ -60,6 +60,24 @@ def test_the_workers_take_chunks(restore_pool: None) -> None:
     assert any(mod.pool_probe(2_000_000, 1)[1] == 2 for _ in range(20))
 
 
+def test_active_threads_limit_a_loop_and_keep_the_workers(restore_pool: None) -> None:
+    """NOTE(lane-lend): an engine lends its extra cores with set_work_pool_active, and takes them back."""
+    mod = _load("quant")
+    ext.set_work_pool(2)
+    try:
+        ext.set_work_pool_active(1)
+        assert mod.pool_active() == 1 and mod.pool_threads() == 2
+        for _ in range(20):  # the loop of the test above: only the caller runs it now
+            visits, ran = mod.pool_probe(2_000_000, 1)
+            assert ran == 1 and bool((visits == 1).all())
+        ext.set_work_pool_active(0)  # all of them again: the worker takes chunks
+        assert any(mod.pool_probe(2_000_000, 1)[1] == 2 for _ in range(20))
+        with pytest.raises(ValueError):
+            ext.set_work_pool_active(-1)
+    finally:
+        ext.set_work_pool_active(0)
+
+
 def test_the_pool_counts_the_waits_for_a_chunk_a_worker_holds(restore_pool: None) -> None:
     """NOTE(pool-waits): a worker that holds a chunk for 30 ms (it sleeps, as if the OS had taken its core)
     makes the caller wait at the loop's end: one stall; loops on one thread wait for nobody."""

@@ -21,7 +21,7 @@ from sluice.engine.protocol import EngineStats, KVTierStats
 from sluice.errors import ConfigError, OverloadedError
 from sluice.server.admission import AdmissionController
 from sluice.server.config import load_settings
-from sluice.server.lanes import LanedAdmission, LanedClient, lane_configs, merge_stats
+from sluice.server.lanes import LanedAdmission, LanedClient, lane_configs, lane_lending, merge_stats
 from sluice.server.telemetry import ServerMetrics
 from sluice.types import Priority
 from tests.server.conftest import ServerThread, start_fake_server
@@ -76,6 +76,46 @@ def test_lane_configs_share_the_cores_threads_and_tier_directories() -> None:
     assert lane_configs(cfg, 1, None) == [(cfg, None)]
 
 
+def test_an_engine_takes_the_idle_lanes_cores_and_gives_them_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(lane-lend): before each step an engine runs on every core if the other lanes have been idle for
+    LEND_AFTER_S, else on its share."""
+    from sluice.kernels import ext
+    from sluice.server.lanes import LEND_AFTER_S
+
+    monkeypatch.delenv("SLUICE_LANE_LEND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cfg = EngineConfig(model="fake")
+    first, second = lane_lending(cfg, 2, None)
+    assert first is not None and second is not None and first.marks is second.marks
+    assert (first.own, first.lent) == (2, 4)
+    assert [c.num_threads for c, _ in lane_configs(cfg, 2, None)] == [4, 4], "a pool thread per core to lend"
+    now = [time.monotonic()]
+    first.clock = second.clock = lambda: now[0]
+    calls: list[int] = []
+    monkeypatch.setattr(ext, "set_work_pool_active", calls.append)
+    first.update(True)  # the second has been idle only since the lanes were made: its share
+    now[0] += LEND_AFTER_S
+    first.update(True)  # idle long enough now: all four cores
+    second.update(True)  # the first busy: its share
+    first.update(True)  # the second busy too: back to its share
+    second.update(False)  # idle: its mark is set, nothing to change
+    now[0] += LEND_AFTER_S / 2
+    first.update(True)  # a gap between the second's steps: not lent yet
+    now[0] += LEND_AFTER_S / 2
+    first.update(True)  # idle long enough: all of them
+    second.update(False)  # still idle: its mark stays where it was
+    assert calls == [2, 4, 2, 2, 4]
+    assert first.marks[0] == 0.0 and 0.0 < second.marks[1] <= now[0] - LEND_AFTER_S
+    # not lent: one lane, pinned cores, threads given, or switched off
+    assert lane_lending(cfg, 1, None) == [None]
+    assert lane_lending(cfg, 2, (0, 1, 2, 3)) == [None, None]
+    assert lane_lending(EngineConfig(model="fake", num_threads=1), 2, None) == [None, None]
+    assert [c.num_threads for c, _ in lane_configs(EngineConfig(model="fake", num_threads=1), 2, None)] == [1, 1]
+    monkeypatch.setenv("SLUICE_LANE_LEND", "0")
+    assert lane_lending(cfg, 2, None) == [None, None]
+    assert [c.num_threads for c, _ in lane_configs(cfg, 2, None)] == [2, 2]
+
+
 def _lanes(n: int, **kw: Any) -> LanedAdmission:
     args = {"max_queued_requests": 8, "max_queued_tokens": 10_000, **kw}
     return LanedAdmission([AdmissionController(**args) for _ in range(n)], {})
@@ -92,6 +132,27 @@ def test_p0s_spread_over_the_lanes_by_the_ones_waiting_for_a_first_output() -> N
     for k in "abcd":
         adm.remove(k)
     assert adm.num_queued == 0 and adm._assigned == {}
+
+
+def test_a_lone_stream_stays_in_the_first_lane_while_every_lane_is_idle() -> None:
+    """NOTE(lane-lend): the lanes' predictions differ when idle by their measurements only; a lone stream
+    stays in one lane, so that lane finds the others idle long enough to borrow their cores."""
+    from tests.server.slo_fakes import FakeClock, controller, stats
+
+    clock = FakeClock()
+    slow, fast = controller("p0=0.5s", clock), controller("p0=0.5s", clock)
+    slow.observe_stats(stats(step_time_base=0.05))
+    fast.observe_stats(stats(step_time_base=0.01))  # predicts a lone request sooner
+    adm = LanedAdmission([slow, fast], {})
+    for k in "abc":  # one request after another
+        assert adm.admit(k, Priority.P2, 20, 10).lane == 0
+        adm.remove(k)
+    assert adm.admit("d", Priority.P2, 20, 10).lane == 0
+    assert adm.admit("e", Priority.P2, 20, 10).lane == 1, "a lane busy: the shortest predicted wait again"
+    adm.remove("d")
+    adm.remove("e")
+    slow.observe_stats(stats(step_time_base=0.05, num_running=1))  # nothing queued, but lane 0's engine runs one
+    assert adm.admit("f", Priority.P2, 20, 10).lane == 1
 
 
 def test_a_request_is_refused_only_when_every_lane_refuses_it() -> None:

@@ -102,11 +102,17 @@ class WorkPool {
   }
   int threads() const { return threads_.load(); }
 
+  // NOTE(lane-lend): at most this many of the threads run a loop (0: all of them); the workers stay,
+  // so an engine that lends a core to another engine process and takes it back costs no thread start.
+  void set_active(int active) { active_.store(std::max(0, active)); }
+  int active() const { return active_.load(); }
+
   // Run call(ctx, b, e) over [begin, end) in chunks of at least ``grain``.
   void run(int64_t begin, int64_t end, int64_t grain, Call call, const void* ctx) {
     const int64_t range = end - begin;
     if (range <= 0) return;
-    const int threads = threads_.load(std::memory_order_relaxed);
+    const int all = threads_.load(std::memory_order_relaxed), active = active_.load(std::memory_order_relaxed);
+    const int threads = active > 0 ? std::min(all, active) : all;
     grain = std::max<int64_t>(1, grain);
     int64_t chunks = std::min<int64_t>((range + grain - 1) / grain, (int64_t)threads * kChunksPerThread);
     bool idle = false;
@@ -114,7 +120,7 @@ class WorkPool {
       call(ctx, begin, end);
       return;
     }
-    if ((int)workers_.size() != threads - 1) resize(threads - 1);  // after a fork: the child has none yet
+    if ((int)workers_.size() != all - 1) resize(all - 1);  // after a fork: the child has none yet
     const int64_t size = (range + chunks - 1) / chunks;
     chunks = (range + size - 1) / size;
     const uint64_t gen = (last_gen_ + 1) & kGenMask;
@@ -259,6 +265,7 @@ class WorkPool {
   }
 
   std::atomic<int> threads_{0};  // off until set_threads
+  std::atomic<int> active_{0};  // NOTE(lane-lend): 0, all threads_
   int nice_ = 19;
   std::atomic<bool> busy_{false}, stop_{false}, failed_{false};
   std::atomic<uint64_t> gen_{0}, next_{0};
@@ -289,6 +296,7 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
 // The pool's Python bindings, for each extension module's PYBIND11_MODULE (which has torch/extension.h).
 //   set_pool_threads(n)   threads a loop may use, the caller included (the engine sets it: NOTE(work-pool))
 //   pool_threads()        ... as set
+//   set_pool_active(n)    at most n of them run a loop, 0: all (NOTE(lane-lend)); pool_active() as set
 //   pool_waits()          -> (waits, seconds, stalls, seconds) since start (NOTE(pool-waits))
 //   pool_probe(n, grain, fail_at, nested, hold_us) -> (visits per index, threads that ran chunks): a loop over
 //                         [0, n) that counts; the chunk holding fail_at throws; nested: each chunk runs a loop too;
@@ -297,6 +305,9 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
   m.def("set_pool_threads", [](int64_t n) { sluice::WorkPool::get().set_threads((int)n); },                  \
         "threads a parallel loop of this module may use, the caller included (NOTE(work-pool))");           \
   m.def("pool_threads", [] { return (int64_t)sluice::WorkPool::get().threads(); });                         \
+  m.def("set_pool_active", [](int64_t n) { sluice::WorkPool::get().set_active((int)n); },                    \
+        "at most n of the threads run a loop, 0: all (NOTE(lane-lend))");                                  \
+  m.def("pool_active", [] { return (int64_t)sluice::WorkPool::get().active(); });                           \
   m.def("pool_waits", [] {                                                                                   \
     const auto w = sluice::WorkPool::get().waits();                                                          \
     return std::make_tuple(w.waits, w.wait_ns * 1e-9, w.stalls, w.stall_ns * 1e-9);                          \
