@@ -133,7 +133,8 @@ def lane_configs(
 
     The cores are cut into ``n`` runs of neighbours (every lane gets them all when there are fewer than
     ``n``); ``--num-threads`` not given, a lane runs on its share of the cores (one engine: a thread per
-    pinned core, else the engine's default); ``--kv-disk-dir`` gets a subdirectory ``lane-<i>`` per lane,
+    pinned core, else the engine's default), and unpinned its pool has a thread per core to borrow the
+    idle lanes' (NOTE(lane-lend)); ``--kv-disk-dir`` gets a subdirectory ``lane-<i>`` per lane,
     so that no two engines write one tier.
     """
     if n == 1:
