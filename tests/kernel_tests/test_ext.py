@@ -56,6 +56,7 @@ def _fake_module(name: str, digest: str | None) -> tuple[types.ModuleType, list[
     mod = types.ModuleType(name)
     calls: list[int] = []
     mod.set_pool_threads = calls.append  # type: ignore[attr-defined]
+    mod.set_pool_active = lambda n: None  # type: ignore[attr-defined]  # NOTE(lane-lend)
     if digest is not None:
         mod.source_hash = lambda: digest  # type: ignore[attr-defined]
     return mod, calls
