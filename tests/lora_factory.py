@@ -81,6 +81,9 @@ def merge_into_hf_dir(model_dir: str | Path, adapters: Sequence[str | Path], out
             name = f"model.layers.{layer}.{_GROUP[target]}.{target}.weight"
             sd[name] = (sd[name].double() + s * (b.double() @ a.double())).to(sd[name].dtype)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+    from tests.model_factory import stable_mtimes
+
+    stable_mtimes(out)  # one cache key for the same merged model run after run
     return out
 
 

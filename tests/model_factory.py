@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_tiny_model_dir", "TINY_DEFAULTS"]
+__all__ = ["make_tiny_model_dir", "stable_mtimes", "TINY_DEFAULTS"]
 
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 49152,
@@ -66,17 +66,18 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, **
     model.save_pretrained(str(path), safe_serialization=True)
     load_tokenizer("smollm2").hf.save_pretrained(str(path))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": kw["eos_token_id"], "bos_token_id": kw["bos_token_id"]}))
-    _stable_mtimes(path)
+    stable_mtimes(path)
     return path
 
 
-def _stable_mtimes(path: Path) -> None:
+def stable_mtimes(path: Path) -> None:
     """Give each weight file an mtime drawn from its content's hash.
 
     A HF folder's cache key (models/source.py) is its config plus each weight
     file's name, size and mtime: with fresh mtimes, every run of the suite added
     new converted-weights cache entries for the same models.  With these, the
     same model gets the same key run after run, and a different one another.
+    Every test helper that writes a model folder calls it.
     """
     import hashlib
     import os

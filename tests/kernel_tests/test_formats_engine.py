@@ -71,6 +71,9 @@ def test_float_checkpoint_quantized_at_load(tiny_llama_dir: Path, tmp_path: Path
     src = resolve_model(str(tiny_llama_dir))
     sd, report = load_quantized_weights(src, mode, "none")
     out = save_quantized(tmp_path / mode, sd, load_model_config(src), report, tokenizer_source=src)
+    from tests.model_factory import stable_mtimes
+
+    stable_mtimes(out)  # one cache key for the same checkpoint run after run
     check_close(str(out), "auto", "rtn")
     # and straight from the float checkpoint: the same packed weights, the same logits
     direct, _, eng = first_logits_and_tokens(str(tiny_llama_dir), mode, quant_fallback="none")

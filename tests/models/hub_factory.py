@@ -98,4 +98,7 @@ def make_hub_checkpoint(
             "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False, "checkpoint_format": fmt,
         }
     (out / "config.json").write_text(json.dumps(cfg))
+    from tests.model_factory import stable_mtimes
+
+    stable_mtimes(out)  # one cache key for the same checkpoint run after run
     return expected
