@@ -174,7 +174,7 @@ def set_work_pool(threads: int) -> None:
 def set_work_pool_active(threads: int) -> None:
     """At most ``threads`` of the work pool's threads run a loop (0: all of them); its workers stay.
 
-    NOTE(lane-lend) in ``sluice.server.engine_setup``: an engine core process takes the cores another
+    NOTE(lane-lend) in ``sluice.server.lanes``: an engine core process takes the cores another
     engine core left idle, and gives them back when that one has work again."""
     if threads < 0:
         raise ValueError(f"active work pool threads must be >= 0, got {threads}")

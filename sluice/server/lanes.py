@@ -43,8 +43,11 @@ every other lane idle for ``LEND_AFTER_S`` or more it runs on all the cores,
 else on its share (``set_work_pool_active``).  The wait keeps a lane from
 borrowing in the short gaps between another's steps under load: borrowed
 there, the cores are wanted back mid-step, and a pool worker the OS then
-takes off its core holds its chunk (NOTE(pool-waits)).  The pool's extra workers sleep while not used.
-An engine that finds another busy gives the cores back at its next step.
+takes off its core holds its chunk (NOTE(pool-waits)).  The pool's extra
+workers sleep while not used.  An engine that finds another busy gives the
+cores back at its next step.  A model whose layers are not all on sluice's
+kernels runs on torch's threads instead, which are not lent: that engine
+keeps its share.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class CoreLending:
                 self.marks[self.lane] = now
             return
         self.marks[self.lane] = 0.0
+        if self.active == 0:
+            self._first_step()
         idle = all(0.0 < self.marks[i] <= now - LEND_AFTER_S for i in range(len(self.marks)) if i != self.lane)
         want = self.lent if idle else self.own
         if want != self.active:
@@ -103,6 +108,17 @@ class CoreLending:
 
             ext.set_work_pool_active(want)
             self.active = want
+
+    def _first_step(self) -> None:
+        """A model not on sluice's work pool (float weights on BLAS, NOTE(work-pool)) runs on torch's
+        threads, which cannot be lent: they keep the lane's share, and the lane never borrows."""
+        from sluice.kernels import ext
+
+        if ext.work_pool_threads() == 0:
+            import torch
+
+            torch.set_num_threads(self.own)
+            self.lent = self.own
 
 
 def _lends(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> int:

@@ -93,6 +93,7 @@ def test_an_engine_takes_the_idle_lanes_cores_and_gives_them_back(monkeypatch: p
     first.clock = second.clock = lambda: now[0]
     calls: list[int] = []
     monkeypatch.setattr(ext, "set_work_pool_active", calls.append)
+    monkeypatch.setattr(ext, "work_pool_threads", lambda: 4)  # the model runs on sluice's work pool
     first.update(True)  # the second has been idle only since the lanes were made: its share
     now[0] += LEND_AFTER_S
     first.update(True)  # idle long enough now: all four cores
@@ -106,6 +107,19 @@ def test_an_engine_takes_the_idle_lanes_cores_and_gives_them_back(monkeypatch: p
     second.update(False)  # still idle: its mark stays where it was
     assert calls == [2, 4, 2, 2, 4]
     assert first.marks[0] == 0.0 and 0.0 < second.marks[1] <= now[0] - LEND_AFTER_S
+    # a model on torch's threads (not on the pool): they keep the lane's share, and it never borrows
+    import torch
+
+    threads: list[int] = []
+    monkeypatch.setattr(ext, "work_pool_threads", lambda: 0)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    (dense, _) = lane_lending(cfg, 2, None)
+    assert dense is not None
+    dense.clock = lambda: now[0] + 10 * LEND_AFTER_S  # every other lane long idle
+    calls.clear()
+    dense.update(True)
+    dense.update(True)
+    assert threads == [2] and calls == [2] and dense.lent == 2
     # not lent: one lane, pinned cores, threads given, or switched off
     assert lane_lending(cfg, 1, None) == [None]
     assert lane_lending(cfg, 2, (0, 1, 2, 3)) == [None, None]
