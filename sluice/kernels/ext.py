@@ -163,12 +163,7 @@ def set_work_pool(threads: int) -> None:
     a loop waits only for chunks a thread has started, and the pool's workers yield their core first,
     so the engine does not wait for a thread the OS has not run; a worker taken off its core while it
     runs a chunk still holds it (``work_pool_waits``, NOTE(pool-waits))."""
-    if threads < 0:
-        raise ValueError(f"work pool threads must be >= 0, got {threads}")
-    with _REG.lock:
-        _REG.pool_threads = threads
-        for mod in _REG.modules.values():
-            mod.set_pool_threads(threads)
+    _set_pool("pool_threads", threads)
 
 
 def set_work_pool_active(threads: int) -> None:
@@ -176,12 +171,17 @@ def set_work_pool_active(threads: int) -> None:
 
     NOTE(lane-lend) in ``sluice.server.lanes``: an engine core process takes the cores another
     engine core left idle, and gives them back when that one has work again."""
+    _set_pool("pool_active", threads)
+
+
+def _set_pool(setting: str, threads: int) -> None:
+    """Record a pool setting (``pool_threads`` | ``pool_active``) and apply it to every loaded extension."""
     if threads < 0:
-        raise ValueError(f"active work pool threads must be >= 0, got {threads}")
+        raise ValueError(f"work pool {setting.removeprefix('pool_')} threads must be >= 0, got {threads}")
     with _REG.lock:
-        _REG.pool_active = threads
+        setattr(_REG, setting, threads)
         for mod in _REG.modules.values():
-            mod.set_pool_active(threads)
+            getattr(mod, f"set_{setting}")(threads)
 
 
 def work_pool_threads() -> int:
