@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
@@ -115,9 +116,9 @@ class CoreLending:
         from sluice.kernels import ext
 
         if ext.work_pool_threads() == 0:
-            import torch
-
-            torch.set_num_threads(self.own)
+            torch = sys.modules.get("torch")  # not loaded (a fake engine): no threads to share
+            if torch is not None:
+                torch.set_num_threads(self.own)
             self.lent = self.own
 
 
