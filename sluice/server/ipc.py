@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 
 import msgspec
+import psutil
 
 from sluice.engine.config import ModelInfo
 from sluice.engine.protocol import (
@@ -84,7 +85,7 @@ def sweep_stale_ipc_dirs(tmp: str | None = None) -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
             pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
-            if not pid.isdigit() or _is_running(int(pid)):
+            if not pid.isdigit() or psutil.pid_exists(int(pid)):
                 continue
             d = os.path.join(root, name)
             with contextlib.suppress(OSError):
@@ -103,16 +104,6 @@ def _is_listening(path: str) -> bool:
             return False
         except OSError:  # anything else: not ours to judge
             return True
-    return True
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: it runs
-        return True
     return True
 
 

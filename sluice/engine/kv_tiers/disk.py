@@ -33,6 +33,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from sluice.engine.kv_tiers.base import KVTier, TierError, payload_view
@@ -251,10 +252,4 @@ def _writer_alive(tmp_name: str) -> bool:
         return False
     if pid == os.getpid():
         return False  # ours, from before a crash of a process that had our pid: stale
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return psutil.pid_exists(pid)  # another user's process (EPERM) runs too
