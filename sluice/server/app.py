@@ -58,6 +58,7 @@ from sluice.server.lanes import (
     AnyClient,
     LanedAdmission,
     LanedClient,
+    data_parallel_lanes,
     lane_configs,
     lane_lending,
 )
@@ -133,7 +134,9 @@ def build_app(
             st.on_engine_dead()
 
     # NOTE(data-parallel) in sluice.server.lanes: one engine core, or N lanes behind this API process
-    n = settings.data_parallel_size
+    engine_cpus = placement.engine_cpus if placement is not None else None
+    n, why = data_parallel_lanes(settings.data_parallel_size, settings.engine, engine_cpus, engine_factory is not None)
+    log.info("%d engine core%s (%s)", n, "s" if n > 1 else "", why)  # NOTE(dp-auto) in sluice.server.lanes
     admissions = [
         AdmissionController(
             -(-settings.max_queued_requests // n),  # the server's bounds, shared out over the lanes
@@ -156,7 +159,6 @@ def build_app(
             st.serving.shed_overdue()
 
     clients = []
-    engine_cpus = placement.engine_cpus if placement is not None else None
     lendings = lane_lending(settings.engine, n, engine_cpus)  # NOTE(lane-lend)
     for lane, (engine_config, cpus) in enumerate(lane_configs(settings.engine, n, engine_cpus)):
         factory = engine_factory or default_engine_factory
@@ -194,6 +196,7 @@ def build_app(
         codec_factory=codec_factory or load_codec,
         on_ready=on_ready,
         on_engine_dead=on_engine_dead,
+        num_lanes=n,
     )
     state_box["state"] = state
 

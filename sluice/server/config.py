@@ -66,10 +66,11 @@ class ServerSettings(BaseModel):
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")
     served_model_name: str | None = Field(None, description="Model name in the API (default: the model's).")
     log_level: str = Field("info", description=" | ".join(LOG_LEVELS) + ".")
-    data_parallel_size: int = Field(1, ge=1, le=64, description=(
+    data_parallel_size: str = Field("auto", description=(
         "Engine core processes behind this API process, each with its own copy of the model, KV cache and "
-        "slots (CPU only; threads each: --num-threads, default the cores / N). Requests go to the one with "
-        "the shortest predicted wait; P0s are spread first."))
+        "slots (CPU only; threads each: --num-threads, default the cores / N, idle ones lent). Requests go to "
+        "the one with the shortest predicted wait; P0s are spread first. auto: 2 on a CPU of 2-3 cores with "
+        "quantized weights, unpinned and --num-threads not given, else 1 (docs/server.md)."))
     # operations (docs/operations.md)
     cpu_affinity: str | None = Field(None, description=(
         "Cores of the engine core process: auto (the NUMA node of --device, or the cores this process was "
@@ -101,6 +102,20 @@ class ServerSettings(BaseModel):
 
             parse_affinity(v)  # ConfigError (a ValueError) names the problem
         return v
+
+    @field_validator("data_parallel_size", mode="before")
+    @classmethod
+    def _lanes(cls, v: object) -> str:
+        text = str(v).strip().lower()
+        if text == "auto":
+            return text
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if isinstance(v, bool) or not 1 <= n <= 64:
+            raise ValueError(f"must be auto or a number of engine cores from 1 to 64, not {v!r}")
+        return str(n)
 
     @field_validator("log_level")
     @classmethod
@@ -154,7 +169,7 @@ def load_settings(
         nested.update({k: v for k, v in values.items() if k not in engine_names})
         settings = ServerSettings.model_validate(nested)
         settings.engine.validate()
-        if settings.data_parallel_size > 1 and settings.engine.device != "cpu":
+        if settings.data_parallel_size not in ("auto", "1") and settings.engine.device != "cpu":
             raise ConfigError(f"{settings.data_parallel_size} engine cores run on the CPU only, not on "
                               f"--device {settings.engine.device}", setting="data_parallel_size")  # fmt: skip
         return settings

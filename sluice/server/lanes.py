@@ -68,8 +68,8 @@ from sluice.server.engine_client import EngineClient, RequestStream
 from sluice.types import Priority
 
 __all__ = [
-    "AnyAdmission", "AnyClient", "CoreLending", "LanedAdmission", "LanedClient", "lane_configs", "lane_lending", "lane_of",
-    "merge_stats",
+    "AnyAdmission", "AnyClient", "CoreLending", "LanedAdmission", "LanedClient", "data_parallel_lanes", "lane_configs",
+    "lane_lending", "lane_of", "merge_stats",
 ]
 
 # fields that are a level, not an amount: the lanes' mean, not their sum
@@ -141,6 +141,59 @@ def lane_lending(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> 
     marks = multiprocessing.get_context("spawn").RawArray("d", n)
     marks[:] = [time.monotonic()] * n  # every lane idle since now
     return [CoreLending(marks, i, max(1, cores // n), cores) for i in range(n)]
+
+
+AUTO_CORES = (2, 3)  # NOTE(dp-auto): the CPU sizes where `--data-parallel-size auto` runs two lanes
+AUTO_MEMORY_SHARE = 0.25  # one copy of the weights at most this share of the free memory (two: half)
+
+
+def data_parallel_lanes(
+    setting: str, config: EngineConfig, cpus: tuple[int, ...] | None, custom_engine: bool = False
+) -> tuple[int, str]:
+    """The engine cores ``--data-parallel-size`` asks for, and why (for the start-up log).
+
+    NOTE(dp-auto): ``auto`` (the default) runs two lanes where they were measured to serve more and
+    hold P0 better than one engine without slowing a lone stream (docs/benchmarks.md, "Two lanes by
+    default"): sluice's engine on a CPU of 2-3 cores, not pinned, ``--num-threads`` not given, the
+    cores lent (NOTE(lane-lend)), quantized weights (float ones run on torch's threads, which are not
+    lent: a lone stream would get one core) whose two copies fit in half the free memory.  Elsewhere
+    one engine core, as ``--data-parallel-size 1``."""
+    if setting != "auto":
+        return int(setting), f"--data-parallel-size {setting}"
+    n, why = 1, ""
+    cores = len(os.sched_getaffinity(0))
+    if custom_engine:
+        why = "a custom engine"
+    elif config.device != "cpu":
+        why = f"--device {config.device}"
+    elif cpus is not None:
+        why = "--cpu-affinity"
+    elif config.num_threads is not None:
+        why = "--num-threads"
+    elif os.environ.get("SLUICE_LANE_LEND") == "0":
+        why = "SLUICE_LANE_LEND=0"
+    elif cores not in AUTO_CORES:
+        why = f"{cores} cores"
+    else:
+        import psutil
+
+        from sluice.errors import SluiceError
+        from sluice.models.formats import served_quantized, weights_bytes
+        from sluice.models.source import resolve_model
+
+        try:
+            source = resolve_model(config.model)
+            quantized, size = served_quantized(source, config.quantization), weights_bytes(source)
+        except (SluiceError, OSError) as e:  # the engine reports a bad model at load
+            return 1, f"auto: model not read ({e})"
+        free = psutil.virtual_memory().available
+        if not quantized:
+            why = "float weights (torch's threads are not lent)"
+        elif size > AUTO_MEMORY_SHARE * free:
+            why = f"weights of {size / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        else:
+            n, why = 2, f"{cores} cores, quantized weights"
+    return n, f"auto: {why}"
 
 
 def lane_configs(

@@ -111,7 +111,7 @@ def run_server(
         print(
             f"sluice serve: model {name} ({info.path}), dtype {info.dtype} on {info.device}, "
             f"{info.num_blocks} KV blocks x {info.block_size} tokens"
-            + (f" in each of {settings.data_parallel_size} engine cores" if settings.data_parallel_size > 1 else "")
+            + (f" in each of {lanes} engine cores" if (lanes := app.state.sluice.num_lanes) > 1 else "")
             + f", max_model_len {info.max_model_len}, "
             f"attention {info.attention_backend}, weights {info.quantization}"
             + (f", kernels {info.kernel_path}" if info.kernel_path else ""),

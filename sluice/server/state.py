@@ -38,6 +38,7 @@ class ServerState:
     is_draining: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
     startup_error: str | None = None
+    num_lanes: int = 1  # engine core processes (--data-parallel-size, NOTE(dp-auto) in sluice.server.lanes)
 
     @property
     def is_ready(self) -> bool:

@@ -21,7 +21,14 @@ from sluice.engine.protocol import EngineStats, KVTierStats
 from sluice.errors import ConfigError, OverloadedError
 from sluice.server.admission import AdmissionController
 from sluice.server.config import load_settings
-from sluice.server.lanes import LanedAdmission, LanedClient, lane_configs, lane_lending, merge_stats
+from sluice.server.lanes import (
+    LanedAdmission,
+    LanedClient,
+    data_parallel_lanes,
+    lane_configs,
+    lane_lending,
+    merge_stats,
+)
 from sluice.server.telemetry import ServerMetrics
 from sluice.types import Priority
 from tests.server.conftest import ServerThread, start_fake_server
@@ -220,6 +227,68 @@ def test_more_than_one_engine_core_is_cpu_only() -> None:
         load_settings(model="fake", data_parallel_size=2, device="cuda")
     with pytest.raises(ConfigError, match="data-parallel-size"):
         load_settings(model="fake", data_parallel_size=0)
+
+
+def test_data_parallel_size_is_auto_or_a_count_and_a_bad_one_is_one_line() -> None:
+    assert load_settings(model="fake").data_parallel_size == "auto"
+    assert load_settings(model="fake", data_parallel_size=2).data_parallel_size == "2"
+    assert load_settings(model="fake", environ={"SLUICE_DATA_PARALLEL_SIZE": "AUTO"}).data_parallel_size == "auto"
+    for bad in ("two", "65", "-1", True):
+        with pytest.raises(ConfigError, match="data-parallel-size: must be auto or a number of engine cores"):
+            load_settings(model="fake", data_parallel_size=bad)
+    # auto on a GPU is one engine core, not an error
+    assert load_settings(model="fake", device="cuda").data_parallel_size == "auto"
+
+
+def test_auto_runs_two_lanes_only_where_they_were_measured_to_help(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """NOTE(dp-auto): two lanes for sluice's engine on 2-3 unpinned cores with quantized weights that fit
+    twice; one engine core everywhere else, with the reason for the log."""
+    import psutil
+
+    import sluice.server.lanes as lanes_mod
+
+    machine = {"cores": {0, 1}}
+    monkeypatch.setattr(lanes_mod.os, "sched_getaffinity", lambda pid: machine["cores"])
+    monkeypatch.delenv("SLUICE_LANE_LEND", raising=False)
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"\0" * 4096)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (hf / "model.safetensors").write_bytes(b"\0" * 4096)
+
+    def lanes(model: Path | str = gguf, setting: str = "auto", cpus: Any = None, custom: bool = False, **kw: Any) -> int:
+        n, why = data_parallel_lanes(setting, EngineConfig(model=str(model), **kw), cpus, custom)
+        assert why.startswith("auto: " if setting == "auto" else "--data-parallel-size")
+        return n
+
+    assert lanes() == 2
+    assert data_parallel_lanes("auto", EngineConfig(model=str(gguf)), None)[1] == "auto: 2 cores, quantized weights"
+    assert lanes(setting="3") == 3 and lanes(setting="1") == 1  # a count is taken as it is
+    assert lanes(quantization="none") == 1  # dequantized: BLAS on torch's threads, not lent
+    assert lanes(hf) == 1  # a float checkpoint
+    assert lanes(hf, quantization="int4") == 2  # quantized at load
+    (hf / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    assert lanes(hf) == 2
+    assert lanes(num_threads=1) == 1 and lanes(cpus=(0, 1)) == 1 and lanes(custom=True) == 1
+    assert lanes(device="cuda") == 1
+    assert lanes(tmp_path / "missing.gguf") == 1  # the engine reports a missing model
+    monkeypatch.setenv("SLUICE_LANE_LEND", "0")
+    assert lanes() == 1
+    monkeypatch.delenv("SLUICE_LANE_LEND")
+    for cores in ({0}, {0, 1, 2, 3}):
+        machine["cores"] = cores
+        assert lanes() == 1
+    machine["cores"] = {0, 1, 2}
+    assert lanes() == 2
+    # two copies of the weights must fit in half the free memory
+    free = type("VM", (), {"available": 4096 * 3})()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: free)
+    assert lanes() == 1
+    free.available = 4096 * 4
+    assert lanes() == 2
 
 
 @pytest.fixture(scope="module")

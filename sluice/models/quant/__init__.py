@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from sluice.kernels.qweight import QuantWeight
+from sluice.models.formats import detect_format
 from sluice.models.quant.calibrate import CALIBRATION_TOKENS, english_text
 from sluice.models.quant.fallback import (
     DEFAULT_KL_BOUND,
@@ -72,18 +73,6 @@ _CACHE_VERSION = 1
 def is_linear_weight(name: str) -> bool:
     """A decoder-layer linear's weight (q/k/v/o, gate/up/down): the fallback candidates."""
     return bool(_LINEAR.match(name))
-
-
-def detect_format(source: ModelSource) -> str:
-    """'gguf' | 'sluice' | 'awq' | 'gptq' | 'float' (a fp32/fp16/bf16 HF checkpoint)."""
-    from sluice.models.quant.checkpoint import is_sluice_checkpoint
-    from sluice.models.quant.hub import quant_method
-
-    if source.kind == "gguf":
-        return "gguf"
-    if is_sluice_checkpoint(source.path):
-        return "sluice"
-    return quant_method(source.path) or "float"
 
 
 def _dense(w: QuantWeight | torch.Tensor) -> torch.Tensor:

@@ -27,16 +27,12 @@ import torch
 
 from sluice.errors import ModelLoadError
 from sluice.kernels.qweight import QuantWeight
+from sluice.models.formats import MANIFEST, is_sluice_checkpoint
 
 __all__ = ["MANIFEST", "WEIGHTS", "save_quantized", "is_sluice_checkpoint", "load_sluice_state_dict"]
 
-MANIFEST = "sluice_quant.json"
 WEIGHTS = "model.quant.safetensors"
 FORMAT, VERSION = "sluice-quant", 1
-
-
-def is_sluice_checkpoint(folder: Path) -> bool:
-    return folder.is_dir() and (folder / MANIFEST).is_file()
 
 
 def save_quantized(

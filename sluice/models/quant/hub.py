@@ -1,6 +1,6 @@
 """HuggingFace-hub quantized checkpoints (AWQ, GPTQ): detect, read the config, convert a state dict.
 
-    quant_method(folder)                    -> 'awq' | 'gptq' | None  (from its quantization config)
+    quant_method(folder)                    -> 'awq' | 'gptq' | None  (its quantization config; sluice.models.formats)
     hub_state_dict(sd, qcfg, dequantize)    -> {'...q_proj.weight': QuantWeight | float32 tensor, ...}
 
 The config is ``quantization_config`` in config.json (transformers / optimum /
@@ -12,49 +12,17 @@ A quantized linear ``P`` appears as ``P.qweight``, ``P.qzeros``, ``P.scales``
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from sluice.errors import ModelLoadError
 from sluice.kernels.qweight import QuantWeight
+from sluice.models.formats import HUB_METHODS, quant_method, read_quant_config
 from sluice.models.quant.awq import awq_params, qweight_from_awq
 from sluice.models.quant.gptq import dequantize_gptq, gptq_params, qweight_from_gptq
 
 __all__ = ["read_quant_config", "quant_method", "hub_state_dict", "HUB_METHODS"]
-
-HUB_METHODS = ("awq", "gptq")
-
-
-def read_quant_config(folder: Path) -> dict[str, Any] | None:
-    """The checkpoint's quantization config, or None for a float checkpoint."""
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    qcfg = cfg.get("quantization_config")
-    if qcfg is None and (folder / "quantize_config.json").is_file():  # AutoGPTQ before transformers integration
-        try:
-            qcfg = {"quant_method": "gptq", **json.loads((folder / "quantize_config.json").read_text())}
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read {folder / 'quantize_config.json'}: {e}") from e
-    return qcfg if isinstance(qcfg, dict) else None
-
-
-def quant_method(folder: Path) -> str | None:
-    qcfg = read_quant_config(folder)
-    if qcfg is None:
-        return None
-    method = str(qcfg.get("quant_method", "")).lower()
-    if method not in HUB_METHODS:
-        raise ModelLoadError(
-            f"model {folder}: quantization method {method or '?'!r} is not supported "
-            f"(supported: {', '.join(HUB_METHODS)}, GGUF files, or float checkpoints)"
-        )
-    return method
-
 
 def hub_state_dict(
     sd: dict[str, torch.Tensor], qcfg: dict[str, Any], dequantize: bool = False
