@@ -152,12 +152,13 @@ def data_parallel_lanes(
 ) -> tuple[int, str]:
     """The engine cores ``--data-parallel-size`` asks for, and why (for the start-up log).
 
-    NOTE(dp-auto): ``auto`` (the default) runs two lanes where they were measured to serve more and
-    hold P0 better than one engine without slowing a lone stream (docs/benchmarks.md, "Two lanes by
-    default"): sluice's engine on a CPU of 2-3 cores, not pinned, ``--num-threads`` not given, the
-    cores lent (NOTE(lane-lend)), quantized weights (float ones run on torch's threads, which are not
-    lent: a lone stream would get one core) whose two copies fit in half the free memory.  Elsewhere
-    one engine core, as ``--data-parallel-size 1``."""
+    NOTE(dp-auto): ``auto`` (the default) runs two lanes where they were measured to serve more, and
+    hold P0 better at one load, than one engine without slowing a lone stream (docs/benchmarks.md,
+    "The table above: two lanes by default"): sluice's engine on a CPU of 2-3 cores, not pinned,
+    ``--num-threads`` not given, the cores lent (NOTE(lane-lend)), quantized weights (float ones run
+    on torch's threads, which are not lent: a lone stream would get one core) whose two copies fit in
+    half the free memory.  Elsewhere one engine core, as ``--data-parallel-size 1``.  Only 2 cores
+    were measured; 3 follow the same reasoning (one-thread lanes on few cores)."""
     if setting != "auto":
         return int(setting), f"--data-parallel-size {setting}"
     n, why = 1, ""
