@@ -33,7 +33,8 @@ interface of one of each:
 
 The engines share nothing but idle cores: each has its model weights, KV cache
 (``--kv-cache-memory`` each), slots (``--max-num-seqs`` each) and, with
-``--kv-disk-dir``, a subdirectory ``lane-<i>`` of it.
+``--kv-disk-dir``, a tier of its own: the directory for the first lane, a subdirectory ``lane-<i>`` of
+it for each other (NOTE(lane-tiers)).
 
 NOTE(lane-lend): one thread per lane made a lone request slower than one
 engine on every core.  Unpinned and with ``--num-threads`` not given, each
@@ -205,8 +206,14 @@ def lane_configs(
     The cores are cut into ``n`` runs of neighbours (every lane gets them all when there are fewer than
     ``n``); ``--num-threads`` not given, a lane runs on its share of the cores (one engine: a thread per
     pinned core, else the engine's default), and unpinned its pool has a thread per core to borrow the
-    idle lanes' (NOTE(lane-lend)); ``--kv-disk-dir`` gets a subdirectory ``lane-<i>`` per lane,
-    so that no two engines write one tier.
+    idle lanes' (NOTE(lane-lend)).
+
+    NOTE(lane-tiers): with ``--kv-disk-dir``, the first lane's tier is the directory itself, where one
+    engine core keeps it, and each other lane's a subdirectory ``lane-<i>``, so that no two engines
+    write one tier, and a tier outlives a change in the number of lanes (``auto`` may count them
+    differently from one start to the next, NOTE(dp-auto)); while every lane is idle a request goes to
+    the first lane, which finds what one engine stored.  The tier touches only its own ``kv-<fingerprint>``
+    directory, so the ``lane-<i>`` ones beside it are safe from its eviction.
     """
     if n == 1:
         if cpus and config.num_threads is None:  # pinned: a thread per core it was given
@@ -226,7 +233,7 @@ def lane_configs(
         if cfg.num_threads is None:
             cores = len(share) if split and share else len(cpus or os.sched_getaffinity(0)) // n
             cfg = dataclasses.replace(cfg, num_threads=lent or max(1, cores))  # lent: a pool thread per core
-        if cfg.kv_disk_dir:
+        if cfg.kv_disk_dir and i > 0:  # the first lane's tier is one engine's (NOTE(lane-tiers))
             cfg = dataclasses.replace(cfg, kv_disk_dir=os.path.join(cfg.kv_disk_dir, f"lane-{i}"))
         out.append((cfg, share))
     return out

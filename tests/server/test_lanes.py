@@ -72,7 +72,15 @@ def test_lane_configs_share_the_cores_threads_and_tier_directories() -> None:
     lanes = lane_configs(cfg, 2, (0, 1, 2))
     assert [cpus for _, cpus in lanes] == [(0, 1), (2,)]
     assert [c.num_threads for c, _ in lanes] == [2, 1]
-    assert [c.kv_disk_dir for c, _ in lanes] == ["/var/kv/lane-0", "/var/kv/lane-1"]
+    # NOTE(lane-tiers): the first lane's tier is one engine's, the others' beside it, and a lane's config
+    # differs from the engine's only in fields that leave the tier's fingerprint alone: the first lane
+    # finds the blocks one engine stored there, and one engine those of the first lane
+    assert [c.kv_disk_dir for c, _ in lanes] == ["/var/kv", "/var/kv/lane-1"]
+    from sluice.engine.kv_tiers.factory import _NO_EFFECT_ON_KV
+
+    for lane_cfg, _ in [*lanes, *lane_configs(cfg, 2, None)]:
+        changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(lane_cfg, f.name)}
+        assert changed <= _NO_EFFECT_ON_KV
     # fewer cores than lanes: every lane may use them all, one thread each
     assert [(c.num_threads, cpus) for c, cpus in lane_configs(cfg, 3, (4, 5))] == [(1, (4, 5))] * 3
     # threads given: kept; not pinned: the cores this process may use, shared out
