@@ -5,11 +5,11 @@
 
 Four servers, one after the other, each measured against its own capacity:
 
-    sluice    ``sluice serve --model smollm2`` with default settings (no --slo: the auto targets; on
-              2-3 cores ``--data-parallel-size auto`` runs two engine cores behind one API process,
-              NOTE(dp-auto) in sluice/server/lanes.py)
-    sluice-1  the same with ``--data-parallel-size 1``: one engine core (the default before NOTE(dp-auto))
-    sluice-dp the same with ``--data-parallel-size 2`` (not in the default list)
+    sluice    ``sluice serve --model smollm2`` with default settings (no --slo: the auto targets)
+    sluice-dp the same with ``--data-parallel-size 2``: two engine cores behind one API process,
+              lending each other their idle cores (NOTE(data-parallel), NOTE(lane-lend) in
+              sluice/server/lanes.py)
+    sluice-auto the same with ``--data-parallel-size auto`` (not in the default list; NOTE(dp-auto))
     gateway   ``sluice gateway`` (least_load, graded degradation) in front of two ``sluice serve``
               replicas of one engine thread each
     vllm      vLLM-CPU (``--scheduling-policy priority``, requests carry ``priority``) on the
@@ -69,8 +69,8 @@ CLASSES = ("p0", "p1", "p2")
 MIX = (0.2, 0.3, 0.5)
 MULTIPLIERS = (0.5, 1.0, 2.0, 3.0, 5.0)
 # the sluice serve targets and their extra flags (before --sluice-args)
-SLUICE_TARGETS: dict[str, list[str]] = {"sluice": [], "sluice-1": ["--data-parallel-size", "1"],
-                                        "sluice-dp": ["--data-parallel-size", "2"]}  # fmt: skip
+SLUICE_TARGETS: dict[str, list[str]] = {"sluice": [], "sluice-dp": ["--data-parallel-size", "2"],
+                                        "sluice-auto": ["--data-parallel-size", "auto"]}  # fmt: skip
 TOPICS = ["rivers", "bread", "trains", "owls", "maps", "tea", "bridges", "clocks", "kites", "salt", "moss", "glass"]
 
 
@@ -491,7 +491,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    styles = {"sluice": "o-", "sluice-1": "v-", "sluice-dp": "D-", "gateway": "s--", "vllm": "^:"}
+    styles = {"sluice": "o-", "sluice-dp": "D-", "sluice-auto": "v-", "gateway": "s--", "vllm": "^:"}
     for name, res in results.items():
         xs = [float(m) for m in res["steps"]]
         for ax, c in zip(axes[:3], CLASSES, strict=True):
@@ -536,8 +536,8 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--targets", default="sluice,sluice-1,gateway,vllm",
-                    help="comma-separated: sluice, sluice-1, sluice-dp, gateway, vllm")
+    ap.add_argument("--targets", default="sluice,sluice-dp,gateway,vllm",
+                    help="comma-separated: sluice, sluice-dp, sluice-auto, gateway, vllm")
     ap.add_argument("--step-s", type=float, default=60.0, help="seconds per load step")
     ap.add_argument("--loads", type=lambda v: tuple(float(x) for x in v.split(",")), default=MULTIPLIERS,
                     help="comma-separated multiples of the capacity, e.g. 1,3 (default 0.5,1,2,3,5)")
@@ -568,9 +568,8 @@ def main() -> None:
             f"prompts ending in a colon (the first token is text), {args.max_tokens} output "
             "tokens (ignore_eos), streaming. SLA per class from the server's lone TTFT L: p0 <= 4 L, "
             "p1 <= max(2 s, 10 L), p2 <= max(5 s, 25 L); attainment is the share of *sent* requests served "
-            "within it (a 429 is a miss). sluice runs with default settings (no `--slo`; on 2-3 cores two engine "
-            "cores behind one API process, `--data-parallel-size auto`); sluice-1 = the same with "
-            "`--data-parallel-size 1`; sluice-dp = `--data-parallel-size 2`; gateway = "
+            "within it (a 429 is a miss). sluice runs with default settings (no `--slo`); sluice-dp = the same with "
+            "`--data-parallel-size 2` (two engine cores behind one API process, lending idle cores); gateway = "
             "`sluice gateway` over two one-thread replicas; vllm = vLLM-CPU `--scheduling-policy priority`.\n\n"
             + "\n".join(lines) + f"\n\n{text}\n\n![overload](overload.png)\n\n{machine_line()}; 1-min load average "
             f"{load_before:.1f} before, {load_after:.1f} after.\n"

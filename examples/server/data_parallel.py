@@ -3,8 +3,8 @@
     python examples/server/data_parallel.py            # sluice serve --model smollm2, three ways (~2 min)
     python examples/server/data_parallel.py --fake     # the fake engine of the tests (no model, ~30 s)
 
-``sluice serve``'s default, ``--data-parallel-size auto``, is ``2`` on a CPU of 2-3
-cores with quantized weights such as SmolLM2's (NOTE(dp-auto) in sluice/server/lanes.py).
+``--data-parallel-size auto`` picks ``2`` on a CPU of 2-3 cores with quantized weights such
+as SmolLM2's, else ``1`` (NOTE(dp-auto) in sluice/server/lanes.py); the default is ``1``.
 It starts the server with ``--data-parallel-size 1``, then ``2``, then ``2`` with
 ``SLUICE_LANE_LEND=0``, and runs against each one user alone (a request after
 another: the time to first token and the time per output token of a lone

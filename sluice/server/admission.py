@@ -1,8 +1,7 @@
 """Admission control: predicted time to first token against the class's target, lowest class shed first (pure).
 
-A request is *queued* from admission until its first output arrives (the
-engine has scheduled and prefilled it).  ``admit`` decides at once, never by
-timing out:
+A request is *queued* from admission until its first output arrives (the engine has scheduled and
+prefilled it).  ``admit`` decides at once, never by timing out:
 
 1. Predicted wait (``sluice.server.slo``): from the engine's last stats, the
    requests sent since, and the measured step time, predict the new request's
@@ -105,11 +104,10 @@ its class (FIFO within a class), so it waits at least as long as the oldest
 of them has (the sojourn time, as in CoDel: it sees a starved class at once),
 and at least ``(queued + 1) / drain``, the *drain rate* being first outputs per
 second of time the class had requests queued (both exponentially weighted over
-``RATE_WINDOW_S``; no start in the window counts as one; it counts once the
-class has been backlogged ``DRAIN_MIN_BACKLOG_S`` (``admission_rates``), weighted, so that a burst on
-an idle server is judged by the model alone).  The prediction is the largest
-of the three.  P0 keeps the model only: its express steps start
-the queued P0s together, which a per-request rate would overstate.
+``RATE_WINDOW_S``; no start in the window counts as one; it counts once the class has been backlogged
+``DRAIN_MIN_BACKLOG_S`` (``admission_rates``), weighted, so that a burst on an idle server is judged
+by the model alone).  The prediction is the largest of the three.  P0 keeps the model only: its
+express steps start the queued P0s together, which a per-request rate would overstate.
 
 NOTE(p0-margin): P0's prediction is a model of the engine's express steps,
 and it holds while they can take P0's prefills as they come.  Past that (at 5x
@@ -126,9 +124,9 @@ P0's predictions by ``P0_MARGIN_STEP`` (up to ``P0_MARGIN_MAX``); under
 to 1 with time (``P0_MARGIN_DECAY_S``): a margin that refuses every P0 gets no
 more starts to learn from, and must not outlast the overload that set it.
 Where P0 is within target (its misses a few in a hundred) the margin stays 1
-and nothing changes.  At 5x on that machine P0 attainment went from 38-50% to
-52-58%, and P0's TTFT p99 from 0.30-0.58 s to 0.23-0.27 s; a tighter margin
-(5% / 2%) gained 4 more points at 5x but cost about one at 3x (docs/benchmarks.md).
+and nothing changes.  At 5x on that machine P0 attainment went from 38-50% to 52-58%, and P0's TTFT
+p99 from 0.30-0.58 s to 0.23-0.27 s; a tighter margin (5% / 2%) gained 4 more points at 5x but cost
+about one at 3x (docs/benchmarks.md).
 
 NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst 2 s later and is shed
 again.  ``Retry-After`` is the predicted excess wait times U(1, 1.5), plus U(0, 1) s, so retries
@@ -140,7 +138,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluice.engine.protocol import EngineStats
@@ -427,8 +425,10 @@ class AdmissionController:
 
     # ------------------------------------------------------------ decisions
 
-    def admit(self, key: str, priority: Priority, num_tokens: int, num_prompt_tokens: int | None = None) -> Decision:
-        """Admit ``key`` or raise ``OverloadedError``; the decision names the keys shed to make room."""
+    def admit(self, key: str, priority: Priority, num_tokens: int, num_prompt_tokens: int | None = None,
+              prompts: Sequence[Sequence[int]] = ()) -> Decision:
+        """Admit ``key`` or raise ``OverloadedError``; the decision names the keys shed to make room
+        (``prompts``, the token ids, only the lanes' choice reads: NOTE(lane-prefix) in sluice.server.lanes)."""
         if num_tokens > self.max_tokens:
             raise OverloadedError(
                 f"request needs {num_tokens} queued tokens, over the server's limit of "

@@ -66,11 +66,12 @@ class ServerSettings(BaseModel):
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")
     served_model_name: str | None = Field(None, description="Model name in the API (default: the model's).")
     log_level: str = Field("info", description=" | ".join(LOG_LEVELS) + ".")
-    data_parallel_size: str = Field("auto", description=(
+    data_parallel_size: str = Field("1", description=(
         "Engine core processes behind this API process, each with its own copy of the model, KV cache and "
         "slots (CPU only; threads each: --num-threads, default the cores / N, idle ones lent). Requests go to "
         "the one with the shortest predicted wait; P0s are spread first. auto: 2 on a CPU of 2-3 cores with "
-        "quantized weights, unpinned and --num-threads not given, else 1 (docs/server.md)."))
+        "quantized weights, unpinned and --num-threads not given, else 1: for many short requests, not long "
+        "multi-turn prompts (docs/server.md)."))
     # operations (docs/operations.md)
     cpu_affinity: str | None = Field(None, description=(
         "Cores of the engine core process: auto (the NUMA node of --device, or the cores this process was "

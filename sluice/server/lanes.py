@@ -24,6 +24,16 @@ interface of one of each:
   NOTE(p0-spread)), then to the lowest predicted TTFT; the other classes go to
   the lowest predicted TTFT.  A request is refused only when every lane refuses
   it; the decision names its lane, and ``LanedClient.add_requests`` sends it there.
+- NOTE(lane-prefix): each lane has its own prefix cache, and a conversation's
+  next turn repeats its history: sent to another lane, the history is prefilled
+  again.  ``LanedAdmission`` remembers the keys of the full prompt blocks it sent
+  each lane (chained as the engine keys its prefix cache, the last
+  ``PREFIX_MEMORY_BLOCKS`` per lane), and predicts a lane's TTFT without the
+  prefill of the blocks it holds; with every lane idle the request goes to the
+  lane that holds most of it.  It is a guess: the engine may have evicted them
+  (a wrong guess costs the prefill the guess hoped to save), and it does not see
+  a LoRA adapter, which the engine mixes into its keys.  ``SLUICE_LANE_PREFIX=0``
+  turns it off.
 - Aborts and releases follow the request to its lane; operator commands go to
   every lane (a LoRA adapter is loaded by each engine), except profiling, which
   follows the first engine core.
@@ -58,10 +68,11 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
-from sluice.engine.config import EngineConfig, ModelInfo
+from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
 from sluice.engine.protocol import EngineRequest, EngineStats, KVTierStats
 from sluice.errors import OverloadedError
 from sluice.server.admission import AdmissionController, Decision
@@ -70,7 +81,7 @@ from sluice.types import Priority
 
 __all__ = [
     "AnyAdmission", "AnyClient", "CoreLending", "LanedAdmission", "LanedClient", "data_parallel_lanes", "lane_configs",
-    "lane_lending", "lane_of", "merge_stats",
+    "lane_lending", "lane_of", "merge_stats", "prompt_block_keys",
 ]
 
 # fields that are a level, not an amount: the lanes' mean, not their sum
@@ -153,13 +164,14 @@ def data_parallel_lanes(
 ) -> tuple[int, str]:
     """The engine cores ``--data-parallel-size`` asks for, and why (for the start-up log).
 
-    NOTE(dp-auto): ``auto`` (the default) runs two lanes where they were measured to serve more, and
+    NOTE(dp-auto): ``auto`` runs two lanes where they were measured to serve more short requests, and
     hold P0 better at one load, than one engine without slowing a lone stream (docs/benchmarks.md,
-    "The table above: two lanes by default"): sluice's engine on a CPU of 2-3 cores, not pinned,
+    "Two lanes as the default: measured, and left to `auto`"): sluice's engine on a CPU of 2-3 cores, not pinned,
     ``--num-threads`` not given, the cores lent (NOTE(lane-lend)), quantized weights (float ones run
     on torch's threads, which are not lent: a lone stream would get one core) whose two copies fit in
     half the free memory.  Elsewhere one engine core, as ``--data-parallel-size 1``.  Only 2 cores
-    were measured; 3 follow the same reasoning (one-thread lanes on few cores)."""
+    were measured; 3 follow the same reasoning (one-thread lanes on few cores).  It is not the default:
+    on long multi-turn prompts one engine served more (``benchmarks/lane_prefix.py``)."""
     if setting != "auto":
         return int(setting), f"--data-parallel-size {setting}"
     n, why = 1, ""
@@ -282,6 +294,19 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
     return merged
 
 
+PREFIX_MEMORY_BLOCKS = 1 << 14  # NOTE(lane-prefix): prompt blocks remembered per lane, least recently sent dropped
+
+
+def prompt_block_keys(tokens: Sequence[int]) -> list[int]:
+    """Keys of a prompt's full KV blocks, chained as the engine's prefix cache keys them: the k-th names
+    the first k + 1 blocks (NOTE(lane-prefix))."""
+    keys, key = [], 0
+    for end in range(BLOCK_SIZE, len(tokens) + 1, BLOCK_SIZE):
+        key = hash((key, *tokens[end - BLOCK_SIZE:end]))
+        keys.append(key)
+    return keys
+
+
 class LanedClient:
     """N ``EngineClient``s with the interface of one (module docstring)."""
 
@@ -372,30 +397,49 @@ class LanedAdmission:
         assert lanes, "at least one lane"
         self.lanes = lanes
         self._assigned = assigned  # request uid -> lane (shared with LanedClient)
+        # NOTE(lane-prefix): each lane's prompt blocks sent, least recently sent first (SLUICE_LANE_PREFIX=0: off)
+        self.prefix_memory: list[OrderedDict[int, None]] | None = (
+            None if os.environ.get("SLUICE_LANE_PREFIX") == "0" else [OrderedDict() for _ in lanes])
 
     # -- choosing a lane -----------------------------------------------------------
 
-    def _order(self, priority: Priority, num_prompt_tokens: int) -> list[int]:
+    def cached_tokens(self, lane: int, prompts_keys: Sequence[list[int]]) -> int:
+        """The prompt tokens whose blocks were sent to ``lane`` before: its prefix cache likely holds them."""
+        memory = self.prefix_memory[lane] if self.prefix_memory is not None else {}
+        found = 0
+        for keys in prompts_keys:
+            for k in keys:
+                if k not in memory:
+                    break
+                found += BLOCK_SIZE
+        return found
+
+    def _order(self, priority: Priority, num_prompt_tokens: int, prompts_keys: Sequence[list[int]] = ()) -> list[int]:
         """The lanes in the order a new request tries them (module docstring).
 
-        Every lane idle: the first, so that a lone stream stays in one lane, and that lane finds the others
-        idle long enough to borrow their cores (NOTE(lane-lend)); the lanes' predictions differ then by their
-        measurements' noise only."""
+        Every lane idle: the one that holds most of the prompt (NOTE(lane-prefix)), else the first, so that
+        a lone stream stays in one lane, and that lane finds the others idle long enough to borrow their
+        cores (NOTE(lane-lend)); the lanes' predictions differ then by their measurements' noise only."""
+        cached = [self.cached_tokens(i, prompts_keys) if prompts_keys else 0 for i in range(len(self.lanes))]
         if all(adm.is_idle for adm in self.lanes):
-            return list(range(len(self.lanes)))
+            return sorted(range(len(self.lanes)), key=lambda i: -cached[i])
 
         def key(i: int) -> tuple[int, float, int]:
             adm = self.lanes[i]
             p0_waiting = adm.num_queued_of(Priority.P0) if priority == Priority.P0 else 0
+            # NOTE(lane-prefix): predicted without the prefill of the blocks the lane holds;
             # equal predictions (engines not measured yet): the fewest queued requests
-            return p0_waiting, adm.predict(adm.load(), priority, max(1, num_prompt_tokens)), adm.num_queued
+            prefill = max(1, num_prompt_tokens - cached[i])
+            return p0_waiting, adm.predict(adm.load(), priority, prefill), adm.num_queued
 
         return sorted(range(len(self.lanes)), key=key)
 
-    def admit(self, key: str, priority: Priority, num_tokens: int, num_prompt_tokens: int | None = None) -> Decision:
+    def admit(self, key: str, priority: Priority, num_tokens: int, num_prompt_tokens: int | None = None,
+              prompts: Sequence[Sequence[int]] = ()) -> Decision:
         prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        prompts_keys = [prompt_block_keys(p) for p in prompts] if self.prefix_memory is not None else []
         refusal: OverloadedError | None = None
-        for lane in self._order(priority, prompt):
+        for lane in self._order(priority, prompt, prompts_keys):
             try:
                 decision = self.lanes[lane].admit(key, priority, num_tokens, num_prompt_tokens)
             except OverloadedError as e:
@@ -403,9 +447,21 @@ class LanedAdmission:
                     refusal = e
                 continue
             self._assigned[key] = lane
+            self._remember(lane, prompts_keys)
             return dataclasses.replace(decision, lane=lane)
         assert refusal is not None
         raise refusal
+
+    def _remember(self, lane: int, prompts_keys: Sequence[list[int]]) -> None:
+        if self.prefix_memory is None:
+            return
+        memory = self.prefix_memory[lane]
+        for keys in prompts_keys:
+            for k in keys:
+                memory[k] = None
+                memory.move_to_end(k)
+        while len(memory) > PREFIX_MEMORY_BLOCKS:
+            memory.popitem(last=False)
 
     def _lane(self, key: str) -> AdmissionController | None:
         lane = self._assigned.get(key)

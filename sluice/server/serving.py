@@ -194,7 +194,7 @@ class OpenAIServing:
         label = ctx.priority.label
         self.shed_overdue()
         try:
-            decision = self.admission.admit(ctx.uid, ctx.priority, num_tokens, num_prompt_tokens)
+            decision = self.admission.admit(ctx.uid, ctx.priority, num_tokens, num_prompt_tokens, prep.prompts)
         except OverloadedError as e:
             self.metrics.observe_rejected(label, e.code or "overloaded")
             raise

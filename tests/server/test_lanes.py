@@ -28,6 +28,7 @@ from sluice.server.lanes import (
     lane_configs,
     lane_lending,
     merge_stats,
+    prompt_block_keys,
 )
 from sluice.server.telemetry import ServerMetrics
 from sluice.types import Priority
@@ -184,6 +185,68 @@ def test_a_lone_stream_stays_in_the_first_lane_while_every_lane_is_idle() -> Non
     assert adm.admit("f", Priority.P2, 20, 10).lane == 1
 
 
+def test_a_prompt_goes_to_the_lane_that_holds_its_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(lane-prefix): a conversation's next turn goes to the lane its history was sent to, whose prefix
+    cache likely holds it, unless it would miss its class's target there; while every lane is idle, to the
+    lane that holds most of it."""
+    from tests.server.slo_fakes import FakeClock, controller, stats
+
+    def lanes() -> LanedAdmission:
+        clock = FakeClock()
+        ctrls = [controller("p2=5s", clock), controller("p2=5s", clock)]
+        for c in ctrls:
+            c.observe_stats(stats())  # 10 ms a step + 1 ms a batched token
+        return LanedAdmission(ctrls, {})
+
+    history = list(range(1000, 1400))  # 400 tokens: 25 full blocks
+    turn = history + list(range(5000, 5040))
+    adm = lanes()
+    assert adm.admit("t1", Priority.P2, 440, 400, [history]).lane == 0  # every lane idle: the first
+    adm.remove("t1")
+    assert adm.cached_tokens(0, [prompt_block_keys(turn)]) == 400 and adm.cached_tokens(1, [prompt_block_keys(turn)]) == 0
+    assert adm.admit("x", Priority.P2, 30, 10, [[7] * 10]).lane == 0  # lane 0 now has a request queued
+    assert adm.admit("t2", Priority.P2, 480, 440, [turn]).lane == 0, "the lane with the history, though busier"
+    for k in ("x", "t2"):
+        adm.remove(k)
+    # a lane that holds nothing of it: the shortest predicted wait, as before
+    assert adm.admit("y", Priority.P2, 30, 10, [[7] * 10]).lane == 0
+    assert adm.admit("other", Priority.P2, 480, 440, [list(range(9000, 9440))]).lane == 1
+    adm.remove("y")
+    adm.remove("other")
+    # every lane idle: the one holding most of the prompt, not the first
+    assert adm.admit("t3", Priority.P2, 480, 440, [list(range(9000, 9440)) + [1] * 20]).lane == 1
+    adm.remove("t3")
+    # the lane holding the history would be late (its queue alone is over P2's 5-s target): the other lane
+    adm.lanes[0].observe_stats(stats(num_running=3, num_waiting=3, num_waiting_by_priority=[0, 0, 3],
+                                     num_prefill_tokens_by_priority=[0, 0, 6000]))  # fmt: skip
+    assert adm.lanes[0].predict(adm.lanes[0].load(), Priority.P2, 40) > 5.0
+    assert adm.admit("t4", Priority.P2, 480, 440, [turn]).lane == 1
+    adm.remove("t4")
+    adm.lanes[0].observe_stats(stats())
+    # blocks are keyed by everything before them: the same block after another history is not a hit
+    assert adm.cached_tokens(0, [prompt_block_keys([5] * 16 + history)]) == 0
+    # SLUICE_LANE_PREFIX=0: the shortest predicted wait only
+    monkeypatch.setenv("SLUICE_LANE_PREFIX", "0")
+    adm = lanes()
+    assert adm.admit("t1", Priority.P2, 440, 400, [history]).lane == 0
+    adm.remove("t1")
+    assert adm.admit("x", Priority.P2, 30, 10, [[7] * 10]).lane == 0
+    assert adm.admit("t2", Priority.P2, 480, 440, [turn]).lane == 1
+
+
+def test_the_prefix_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sluice.server.lanes as lanes_mod
+
+    monkeypatch.setattr(lanes_mod, "PREFIX_MEMORY_BLOCKS", 4)
+    adm = _lanes(2)
+    old, new = list(range(64)), list(range(100, 164))  # 4 blocks each
+    adm.admit("a", Priority.P2, 80, 64, [old])
+    adm.remove("a")
+    adm.admit("b", Priority.P2, 80, 64, [new])
+    assert adm.prefix_memory is not None and len(adm.prefix_memory[0]) == 4
+    assert adm.cached_tokens(0, [prompt_block_keys(new)]) == 64 and adm.cached_tokens(0, [prompt_block_keys(old)]) == 0
+
+
 def test_a_request_is_refused_only_when_every_lane_refuses_it() -> None:
     adm = _lanes(2, max_queued_requests=1)
     assert adm.admit("x", Priority.P2, 20, 10).lane == 0
@@ -238,14 +301,15 @@ def test_more_than_one_engine_core_is_cpu_only() -> None:
 
 
 def test_data_parallel_size_is_auto_or_a_count_and_a_bad_one_is_one_line() -> None:
-    assert load_settings(model="fake").data_parallel_size == "auto"
+    assert load_settings(model="fake").data_parallel_size == "1"
     assert load_settings(model="fake", data_parallel_size=2).data_parallel_size == "2"
+    assert load_settings(model="fake", data_parallel_size=" Auto ").data_parallel_size == "auto"
     assert load_settings(model="fake", environ={"SLUICE_DATA_PARALLEL_SIZE": "AUTO"}).data_parallel_size == "auto"
     for bad in ("two", "65", "-1", True):
         with pytest.raises(ConfigError, match="data-parallel-size: must be auto or a number of engine cores"):
             load_settings(model="fake", data_parallel_size=bad)
     # auto on a GPU is one engine core, not an error
-    assert load_settings(model="fake", device="cuda").data_parallel_size == "auto"
+    assert load_settings(model="fake", device="cuda", data_parallel_size="auto").data_parallel_size == "auto"
 
 
 def test_auto_runs_two_lanes_only_where_they_were_measured_to_help(
