@@ -166,8 +166,8 @@ def data_parallel_lanes(
 
     NOTE(dp-auto): ``auto`` runs two lanes where they were measured to serve more short requests, and
     hold P0 better at one load, than one engine without slowing a lone stream (docs/benchmarks.md,
-    "Two lanes as the default: measured, and left to `auto`"): sluice's engine on a CPU of 2-3 cores, not pinned,
-    ``--num-threads`` not given, the cores lent (NOTE(lane-lend)), quantized weights (float ones run
+    "Two lanes as the default: measured, and left to `auto`"): sluice's engine on a CPU of 2-3 cores,
+    not pinned, ``--num-threads`` not given, the cores lent (NOTE(lane-lend)), quantized weights (float ones run
     on torch's threads, which are not lent: a lone stream would get one core) whose two copies fit in
     half the free memory.  Elsewhere one engine core, as ``--data-parallel-size 1``.  Only 2 cores
     were measured; 3 follow the same reasoning (one-thread lanes on few cores).  It is not the default:
@@ -298,8 +298,8 @@ PREFIX_MEMORY_BLOCKS = 1 << 14  # NOTE(lane-prefix): prompt blocks remembered pe
 
 
 def prompt_block_keys(tokens: Sequence[int]) -> list[int]:
-    """Keys of a prompt's full KV blocks, chained as the engine's prefix cache keys them: the k-th names
-    the first k + 1 blocks (NOTE(lane-prefix))."""
+    """Keys of a prompt's full KV blocks, chained as the engine chains its prefix cache's keys (not the
+    same keys): the k-th names the first k + 1 blocks (NOTE(lane-prefix))."""
     keys, key = [], 0
     for end in range(BLOCK_SIZE, len(tokens) + 1, BLOCK_SIZE):
         key = hash((key, *tokens[end - BLOCK_SIZE:end]))
