@@ -134,13 +134,24 @@ class CoreLending:
             self.lent = self.own
 
 
+def _no_lending(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> str:
+    """Why ``n`` lanes would not lend each other their cores (NOTE(lane-lend)); '' when they would."""
+    if n < 2:
+        return "one lane"
+    if cpus is not None:
+        return "--cpu-affinity"
+    if config.num_threads is not None:
+        return "--num-threads"
+    if os.environ.get("SLUICE_LANE_LEND") == "0":
+        return "SLUICE_LANE_LEND=0"
+    cores = len(os.sched_getaffinity(0))
+    return "" if cores >= 2 else f"{cores} core"
+
+
 def _lends(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> int:
     """The cores a lane may borrow (NOTE(lane-lend)): all this process's when unpinned, ``--num-threads``
     not given and more than one lane shares them; 0 otherwise."""
-    if n < 2 or cpus is not None or config.num_threads is not None or os.environ.get("SLUICE_LANE_LEND") == "0":
-        return 0
-    cores = len(os.sched_getaffinity(0))
-    return cores if cores >= 2 else 0
+    return 0 if _no_lending(config, n, cpus) else len(os.sched_getaffinity(0))
 
 
 def lane_lending(config: EngineConfig, n: int, cpus: tuple[int, ...] | None) -> list[CoreLending | None]:
@@ -180,12 +191,8 @@ def data_parallel_lanes(
         why = "a custom engine"
     elif config.device != "cpu":
         why = f"--device {config.device}"
-    elif cpus is not None:
-        why = "--cpu-affinity"
-    elif config.num_threads is not None:
-        why = "--num-threads"
-    elif os.environ.get("SLUICE_LANE_LEND") == "0":
-        why = "SLUICE_LANE_LEND=0"
+    elif refusal := _no_lending(config, 2, cpus):  # two lanes that could not lend: a lone stream on one core
+        why = refusal
     elif cores not in AUTO_CORES:
         why = f"{cores} cores"
     else:
