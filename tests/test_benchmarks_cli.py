@@ -330,6 +330,38 @@ def test_overload_engine_at_a_given_rate_runs_each_seed_of_the_chosen_modes(tmp_
     assert bad.returncode != 0 and "--modes" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_overload_engine_capacity_loop_sends_the_capacity_mix_and_takes_the_median(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import overload_engine
+    from tests.model_factory import make_tiny_model_dir
+
+    model = str(make_tiny_model_dir(tmp_path / "tiny-llama"))
+    sent: list[int] = []
+    make = overload_engine._request
+
+    def spy(rng, rid, priority, targets, arrival):  # type: ignore[no-untyped-def]
+        sent.append(priority)
+        return make(rng, rid, priority, targets, arrival)
+
+    monkeypatch.setattr(overload_engine, "_request", spy)
+    assert overload_engine.capacity(8, 0.5, (0.05, 2.0, 5.0), model, mix=(0.0, 0.0, 1.0)) > 0
+    assert len(sent) >= 8 and set(sent) == {2}, "--capacity-mix 0,0,1: every closed-loop request is P2"
+    monkeypatch.undo()
+    script = str(ROOT / "benchmarks" / "overload_engine.py")
+    args = [sys.executable, script, "--model", model, "--loads", "1", "--step-s", "0.3", "--no-write",
+            "--modes", "mid-step", "--seeds", "1", "--concurrency", "8", "--calibrate-s", "0.4"]  # fmt: skip
+    proc = subprocess.run([*args, "--capacity-mix", "0,0,1", "--capacity-runs", "3"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]  # "capacity C req/s of a, b, c"
+    runs = [float(x) for x in first.split(" of ")[1].split(", ")]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(runs) == 3 and out["capacity_rps"] == pytest.approx(sorted(runs)[1], abs=0.051), first
+    bad = subprocess.run([*args, "--capacity-mix", "1,2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--capacity-mix" in bad.stderr and "Traceback" not in bad.stderr
+
+
 # ---------------------------------------------------------------- overload_repeat
 
 
