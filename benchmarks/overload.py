@@ -59,7 +59,14 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+from _report import (  # noqa: E402
+    machine_line,
+    markdown_table,
+    print_json_last,
+    steal_seconds,
+    steal_share,
+    write_section,
+)
 
 from sluice.bench.sse import SSEDecoder  # noqa: E402
 
@@ -438,17 +445,18 @@ async def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]
     steps: dict[str, Any] = {}
     for k, mult in enumerate(args.loads):
         t = time.monotonic()
-        before = await server_sums(server)
+        before, stolen, t_wall = await server_sums(server), steal_seconds(), time.monotonic()
         records, health = await load_step(server, mult * cap, args.step_s, args.max_tokens, args.seed + k,
                                           args.timeout)  # fmt: skip
         steps[f"{mult:g}"] = summarize(records, health, targets, args.step_s)
         s = steps[f"{mult:g}"]
+        s["steal_share"] = steal_share(stolen, steal_seconds(), time.monotonic() - t_wall)  # NOTE(steal) in _report
         if before:  # NOTE(server-side): sluice's own view, to tell engine waits from HTTP/CPU contention
             s["server_side"] = server_means(before, await server_sums(server))
         print(f"  {mult:g}x: {len(records)} requests in {time.monotonic() - t:.0f} s; attainment "
               + " / ".join(f"{s['classes'][c]['attainment'] or 0:.0%}" for c in CLASSES)
               + f"; goodput {s['goodput_rps']:.2f} req/s; p0 TTFT p50/p99 {_fmt(s['classes']['p0']['ttft_p50_s'])}/"
-              + f"{_fmt(s['classes']['p0']['ttft_p99_s'])} s"
+              + f"{_fmt(s['classes']['p0']['ttft_p99_s'])} s; CPU stolen {_fmt(s['steal_share'], 100, 1)}%"
               + (f" (server-side mean {_fmt(s['server_side']['time_to_first_token_seconds_mean:p0'])} s)"
                  if "server_side" in s else ""), file=sys.stderr)  # fmt: skip
         await asyncio.sleep(args.pause_s)
@@ -464,7 +472,8 @@ def _fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def table(results: dict[str, Any]) -> str:
     headers = ["server", "load", "sent p0/p1/p2", "served", "shed (429)", "other errors", "p0 TTFT p50/p95/p99 (s)",
-               "p2 TTFT p50/p99 (s)", "attainment p0/p1/p2", "goodput (req/s)", "429 p99 (ms)", "/health p99 (ms)"]  # fmt: skip
+               "p2 TTFT p50/p99 (s)", "attainment p0/p1/p2", "goodput (req/s)", "429 p99 (ms)", "/health p99 (ms)",
+               "CPU stolen (%)"]  # fmt: skip
     rows = []
     for name, res in results.items():
         for mult, s in res["steps"].items():
@@ -480,6 +489,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{_fmt(p2['ttft_p50_s'])}/{_fmt(p2['ttft_p99_s'])}",
                 "/".join("-" if cl[c]["attainment"] is None else f"{cl[c]['attainment']:.0%}" for c in CLASSES),
                 _fmt(s["goodput_rps"]), _fmt(s["shed_answer_p99_s"], 1000, 0), _fmt(s["health_p99_s"], 1000, 0),
+                _fmt(s.get("steal_share"), 100, 1),
             ])  # fmt: skip
     return markdown_table(headers, rows)
 
@@ -568,7 +578,8 @@ def main() -> None:
             f"prompts ending in a colon (the first token is text), {args.max_tokens} output "
             "tokens (ignore_eos), streaming. SLA per class from the server's lone TTFT L: p0 <= 4 L, "
             "p1 <= max(2 s, 10 L), p2 <= max(5 s, 25 L); attainment is the share of *sent* requests served "
-            "within it (a 429 is a miss). sluice runs with default settings (no `--slo`); sluice-dp = the same with "
+            "within it (a 429 is a miss); CPU stolen: the share of the machine's CPU time the hypervisor gave other "
+            "guests during the step (NOTE(steal) in `_report.py`). sluice runs with default settings (no `--slo`); sluice-dp = the same with "
             "`--data-parallel-size 2` (two engine cores behind one API process, lending idle cores); gateway = "
             "`sluice gateway` over two one-thread replicas; vllm = vLLM-CPU `--scheduling-policy priority`.\n\n"
             + "\n".join(lines) + f"\n\n{text}\n\n![overload](overload.png)\n\n{machine_line()}; 1-min load average "

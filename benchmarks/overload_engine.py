@@ -43,7 +43,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+from _report import (  # noqa: E402
+    machine_line,
+    markdown_table,
+    print_json_last,
+    steal_seconds,
+    steal_share,
+    write_section,
+)
 
 from sluice.engine.core import EngineCore  # noqa: E402
 from sluice.engine.protocol import EngineRequest, SamplingParams  # noqa: E402
@@ -110,6 +117,7 @@ def run_load(mode: str, rate: float, seconds: float, concurrency: int, targets: 
     steps: list[float] = []
     express0 = engine.num_express_steps
     k = 0
+    stolen = steal_seconds()
     t0 = time.monotonic()
 
     def take_arrivals() -> None:
@@ -142,6 +150,7 @@ def run_load(mode: str, rate: float, seconds: float, concurrency: int, targets: 
         record(outs, s1)
     elapsed = time.monotonic() - t0
     res: dict[str, Any] = {"mode": mode, "rate": rate, "sent": len(sent), "elapsed_s": elapsed,
+                           "steal_share": steal_share(stolen, steal_seconds(), elapsed),  # NOTE(steal) in _report
                            "steps": len(steps), "express_steps": engine.num_express_steps - express0,
                            "mid_step_express": engine.num_mid_step_express,
                            "step_ms_mean": 1e3 * statistics.fmean(steps) if steps else 0.0, "classes": {}}  # fmt: skip
@@ -158,6 +167,10 @@ def run_load(mode: str, rate: float, seconds: float, concurrency: int, targets: 
         }  # fmt: skip
     res["completed_rps"] = len(first) / elapsed
     return res
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def _mix(flag: str, text: str) -> tuple[float, ...]:
@@ -222,9 +235,11 @@ def main() -> None:
                 p0 = r["classes"].get("p0", {})
                 print(f"{mult:g}x seed {seed} express steps {mode}: P0 TTFT p50/p99 "
                       f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f} ms, attainment "
-                      f"{p0.get('attainment', 0):.1%}; {r['completed_rps']:.1f} first tokens/s", flush=True)  # fmt: skip
+                      f"{p0.get('attainment', 0):.1%}; {r['completed_rps']:.1f} first tokens/s; CPU stolen "
+                      f"{_share(r['steal_share'])}", flush=True)  # fmt: skip
     headers = ["load", "seed", "express steps", "P0 TTFT p50/p95/p99 (ms)", "P0 attainment", "P1 TTFT p50 (ms)",
-               "P2 TTFT p50 (ms)", "requests started/s", "steps (express, mid-step)", "mean step (ms)"]  # fmt: skip
+               "P2 TTFT p50 (ms)", "requests started/s", "steps (express, mid-step)", "mean step (ms)",
+               "CPU stolen"]  # fmt: skip
     rows = []
     for r in results:
         c = r["classes"]
@@ -233,7 +248,8 @@ def main() -> None:
                      f"{p0.get('ttft_p50_ms', 0):.0f}/{p0.get('ttft_p95_ms', 0):.0f}/{p0.get('ttft_p99_ms', 0):.0f}",
                      f"{p0.get('attainment', 0):.1%}", f"{c.get('p1', {}).get('ttft_p50_ms', 0):.0f}",
                      f"{c.get('p2', {}).get('ttft_p50_ms', 0):.0f}", f"{r['completed_rps']:.1f}",
-                     f"{r['steps']} ({r['express_steps']}, {r['mid_step_express']})", f"{r['step_ms_mean']:.1f}"])  # fmt: skip
+                     f"{r['steps']} ({r['express_steps']}, {r['mid_step_express']})", f"{r['step_ms_mean']:.1f}",
+                     _share(r["steal_share"])])  # fmt: skip
     table = markdown_table(headers, rows)
     print(table)
     if not args.no_write:
@@ -246,7 +262,7 @@ def main() -> None:
                 f"{'given' if args.rate else _cap_note(caps, args.concurrency, cap_mix)}); open-loop "
                 f"Poisson for {args.step_s:g} s per load, {shares}% P0/P1/P2, {PROMPT_TOKENS}-token prompts, 16 output "
                 f"tokens; targets P0 {args.p0_target:g} s, P1 2 s, P2 5 s. TTFT: arrival to the end of the step "
-                f"with the first token (for a mid-step express step: when it was published, mid-step). Express steps mid-step (as in `sluice serve`), at step boundaries only, and off ({', '.join(modes)} here) run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
+                f"with the first token (for a mid-step express step: when it was published, mid-step). CPU stolen: the share of the machine's CPU time the hypervisor gave other guests during the run (NOTE(steal)). Express steps mid-step (as in `sluice serve`), at step boundaries only, and off ({', '.join(modes)} here) run one after the other.\n\n{table}\n\n{machine_line()}")  # fmt: skip
         write_section(args.section, body)
     print_json_last({"benchmark": "overload_engine", "capacity_rps": cap, "results": results})
 

@@ -57,7 +57,14 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overload as ov  # noqa: E402
-from _report import machine_line, markdown_table, print_json_last, write_section  # noqa: E402
+from _report import (  # noqa: E402
+    machine_line,
+    markdown_table,
+    print_json_last,
+    steal_seconds,
+    steal_share,
+    write_section,
+)
 
 from sluice.engine.protocol import STEP_KINDS  # noqa: E402
 
@@ -234,7 +241,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             probe = lone if k == 0 and not args.lone_ttft else await ov.lone_ttft(server, args.max_tokens)
             before = {p: _cpu_seconds(p) for p in [server.procs[0].pid, *engine]}
             steps_before = await _step_totals(server.url)
-            me, t0 = time.process_time(), time.perf_counter()
+            me, t0, stolen = time.process_time(), time.perf_counter(), steal_seconds()
             samples: list[tuple[float, dict[str, float]]] = []
             sampler = asyncio.create_task(_sample(server.url, t0, samples)) if args.timeline else None
             with neighbour(args.neighbour, args.step_s + args.timeout + 30.0) as nb:
@@ -257,12 +264,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p1_served_rps": p1_served, "p1_within_rps": (p1["attainment"] or 0.0) * p1_sent / args.step_s,
                     "goodput_rps": s["goodput_rps"], "cpu_engine": eng, "cpu_api": api,
                     "cpu_client": (time.process_time() - me) / wall, "cpu_neighbour": nb_cpu / wall,
+                    "cpu_stolen": steal_share(stolen, steal_seconds(), wall),  # NOTE(steal) in _report
                     "steps": kinds, "pool": pool_waits(steps_before, steps_after, wall)}  # fmt: skip
             runs.append(run_)
             print(f"  run {k + 1} (seed {seed}, lone TTFT before it {probe * 1000:.1f} ms): P0 {p0['attainment']:.1%} "
                   f"({run_['p0_refused']:.1%} refused), P1 served {p1_served:.1f}/s, goodput "
                   f"{s['goodput_rps']:.2f} req/s; CPU engine {eng:.0%} API {api:.0%} client {run_['cpu_client']:.0%} "
-                  f"neighbour {run_['cpu_neighbour']:.0%}; engine busy {_kinds_cell(kinds, 'busy_share')}, "
+                  f"neighbour {run_['cpu_neighbour']:.0%} stolen {_stolen(run_.get('cpu_stolen'))}; engine busy {_kinds_cell(kinds, 'busy_share')}, "
                   f"ms/token {_kinds_cell(kinds, 'ms_per_token')}, steps/s {_kinds_cell(kinds, 'steps_per_s')}, "
                   f"pool waits {_pool_cell(run_['pool'])}",
                   file=sys.stderr)  # fmt: skip
@@ -294,17 +302,22 @@ def table(result: dict[str, Any]) -> str:
              f"{r.get('p0_refused', 0.0):.1%}", ov._fmt(r["p0_ttft_p99_s"], 1000, 0),
              f"{r['p1_served_rps']:.1f}", f"{r['p1_within_rps']:.1f}", f"{r['goodput_rps']:.2f}",
              f"{r['cpu_engine']:.0%}", f"{r['cpu_api']:.0%}", f"{r['cpu_client']:.0%}",
-             f"{r.get('cpu_neighbour', 0.0):.0%}", _kinds_cell(r.get("steps"), "busy_share"),
+             f"{r.get('cpu_neighbour', 0.0):.0%}", _stolen(r.get("cpu_stolen")), _kinds_cell(r.get("steps"), "busy_share"),
              _kinds_cell(r.get("steps"), "ms_per_token"), _kinds_cell(r.get("steps"), "steps_per_s"),
              _pool_cell(r.get("pool"))]
             for r in result["runs"]]  # fmt: skip
     return markdown_table(["run", "seed", "lone TTFT before (ms)", "P0 attainment", "P0 refused", "P0 TTFT p99 (ms)",
                            "P1 served (req/s)",
                            "P1 within target (req/s)", "goodput (req/s)", "CPU engine", "CPU API", "CPU client",
-                           "CPU neighbour", "engine busy: normal / express / nested",
+                           "CPU neighbour", "CPU stolen", "engine busy: normal / express / nested",
                            "ms per batched token: normal / express / nested",
                            "steps a second: normal / express / nested",
                            "pool waits: share of the run / stalls a second / stalls' share"], rows)  # fmt: skip
+
+
+def _stolen(v: float | None) -> str:
+    """The share of the machine's CPU time the hypervisor gave other guests (NOTE(steal) in _report)."""
+    return "-" if v is None else f"{v:.1%}"
 
 
 def main() -> None:
@@ -339,7 +352,8 @@ def main() -> None:
             f"{len(result['runs'])} runs with seeds {','.join(map(str, args.seeds))} (one seed = one arrival "
             "sequence), the class mix, prompts and targets of `overload.py` (lone TTFT "
             f"{result['lone_ttft_s'] * 1000:.0f} ms, targets p0/p1/p2 {tgt} s). CPU in % of one core, from /proc, "
-            "over the run (the engine's OpenMP threads spin while they wait: an upper bound of its work). "
+            "over the run (the engine's OpenMP threads spin while they wait: an upper bound of its work); "
+            "\"CPU stolen\": the share of the machine's CPU time the hypervisor gave other guests (NOTE(steal)). "
             "\"lone TTFT before\": the lone TTFT measured again on the idle server just before the run "
             "(NOTE(host-drift)); the targets stay those above."
             + (f" During each run a neighbour process kept one core busy {args.neighbour:.0%} of the time "

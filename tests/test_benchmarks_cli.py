@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -50,6 +51,21 @@ def test_cpuinfo_gives_the_model_and_each_kernel_relevant_flag() -> None:
 def test_any_amx_flag_counts_as_amx() -> None:
     _, flags = _report.parse_cpuinfo("model name : Xeon\nflags : avx2 amx_tile amx_int8\n")
     assert flags["amx"] and flags["avx2"] and not flags["avx512f"]
+
+
+def test_steal_is_read_from_the_first_line_of_proc_stat_and_shared_over_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE(steal): the 8th number after ``cpu`` is the time the hypervisor gave other guests, in clock ticks."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = f"cpu  100 0 50 900 3 0 1 {3 * tick} 0 0\ncpu0 50 0 25 450 1 0 0 {tick} 0 0\n"
+    assert _report.steal_seconds(stat) == pytest.approx(3.0)
+    assert _report.steal_seconds("intr 1 2 3\n") is None and _report.steal_seconds("cpu 1 2 3\n") is None
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert _report.steal_share(10.0, 11.0, 5.0) == pytest.approx(0.1), "1 s stolen of 2 CPUs x 5 s"
+    assert _report.steal_share(None, 11.0, 5.0) is None and _report.steal_share(1.0, 2.0, 0.0) is None
+    assert _report.steal_share(5.0, 4.0, 1.0) == 0.0, "a counter that went back is no negative share"
+    if Path("/proc/stat").exists():
+        now = _report.steal_seconds()
+        assert now is None or now >= 0.0
 
 
 def test_machine_line_names_the_cpu_flags() -> None:
@@ -309,6 +325,7 @@ def test_overload_engine_run_reports_every_class_and_counts_express_steps(tmp_pa
     assert runs["off"]["express_steps"] == 0, "--no-express-steps: never an express step"
     assert runs["boundary"]["mid_step_express"] == 0 == runs["off"]["mid_step_express"], "no arrivals hook: none mid-step"
     assert runs["mid-step"]["mid_step_express"] <= runs["mid-step"]["express_steps"]
+    assert all(r["steal_share"] is None or 0.0 <= r["steal_share"] <= 1.0 for r in runs.values()), "NOTE(steal)"
     solo = overload_engine.run_load("mid-step", 40.0, 1.0, 8, targets, seed=3, model=model, mix=(1.0, 0.0, 0.0))
     assert set(solo["classes"]) == {"p0"} and solo["classes"]["p0"]["sent"] == solo["sent"] > 10, "--mix 1,0,0: P0 only"
 
@@ -555,6 +572,9 @@ def test_overload_summary_counts_sheds_by_code_and_mid_stream_errors_apart() -> 
     assert s["stream_errors_by_code"] == {"expired": 1}
     assert s["classes"]["p2"]["shed"] == 1 and s["classes"]["p2"]["errors"] == 2 and s["num_timeouts"] == 1
     assert s["shed_within_50ms"] == 0.5
+    s["steal_share"] = 0.045  # NOTE(steal): each step's row says how much CPU the host took
+    header, _, row = overload.table({"sluice": {"steps": {"3": s}}}).splitlines()
+    assert header.rstrip(" |").endswith("CPU stolen (%)") and row.rstrip(" |").endswith("| 4.5")
 
 
 def test_overload_measures_the_capacity_before_the_lone_p0_requests(monkeypatch: pytest.MonkeyPatch) -> None:
