@@ -206,6 +206,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="which express-step modes run, of " + ",".join(MODES))
     ap.add_argument("--seeds", default="", help="comma-separated arrival seeds, one run each (default: 10 x the load)")
     ap.add_argument("--section", default="overload_engine", help="the docs/benchmarks.md section written")
+    ap.add_argument("--title", default="", help="the section's heading after 'Overload, the engine alone' (default: the mix)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     targets = (args.p0_target, 2.0, 5.0)
@@ -255,7 +256,7 @@ def main() -> None:
     if not args.no_write:
         shares = "/".join(f"{100 * x / sum(mix):g}" for x in mix)
         cmd = " ".join(["python benchmarks/overload_engine.py", *sys.argv[1:]])
-        title = "" if mix == MIX else f", arrivals {shares}% P0/P1/P2"
+        title = f", {args.title}" if args.title else "" if mix == MIX else f", arrivals {shares}% P0/P1/P2"
         body = (f"## Overload, the engine alone{title} (`benchmarks/overload_engine.py`)\n\n"
                 f"`{cmd}` (SmolLM2 Q4_1, engine in-process, no HTTP and no admission: "
                 f"nothing is shed). Capacity {cap:.1f} req/s ("
