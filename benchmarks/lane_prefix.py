@@ -127,9 +127,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name, flags, env in SERVERS:
         port = ov._free_port()
-        proc = ov._spawn([ov.PY, "-m", "sluice.cli", "serve", "--model", "smollm2", "--served-model-name", "smollm2",
-                          "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "256MiB",
-                          "--log-level", "warning", *flags], env)  # fmt: skip
+        proc = ov._sluice_serve(port, flags, env)
         try:
             url = f"http://127.0.0.1:{port}"
             ov._wait_healthy(url, [proc], 300)

@@ -147,10 +147,10 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             os.killpg(p.pid, signal.SIGKILL)
 
 
-def _sluice_serve(port: int, extra: list[str]) -> subprocess.Popen[bytes]:
+def _sluice_serve(port: int, extra: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return _spawn([PY, "-m", "sluice.cli", "serve", "--model", "smollm2", "--served-model-name", "smollm2",
                    "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory", "256MiB",
-                   "--log-level", "warning", *extra])  # fmt: skip
+                   "--log-level", "warning", *extra], env)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -445,12 +445,12 @@ async def run_server(server: Server, args: argparse.Namespace) -> dict[str, Any]
     steps: dict[str, Any] = {}
     for k, mult in enumerate(args.loads):
         t = time.monotonic()
-        before, stolen, t_wall = await server_sums(server), steal_seconds(), time.monotonic()
+        before, stolen = await server_sums(server), steal_seconds()
         records, health = await load_step(server, mult * cap, args.step_s, args.max_tokens, args.seed + k,
                                           args.timeout)  # fmt: skip
         steps[f"{mult:g}"] = summarize(records, health, targets, args.step_s)
         s = steps[f"{mult:g}"]
-        s["steal_share"] = steal_share(stolen, steal_seconds(), time.monotonic() - t_wall)  # NOTE(steal) in _report
+        s["steal_share"] = steal_share(stolen, steal_seconds(), time.monotonic() - t)  # NOTE(steal) in _report
         if before:  # NOTE(server-side): sluice's own view, to tell engine waits from HTTP/CPU contention
             s["server_side"] = server_means(before, await server_sums(server))
         print(f"  {mult:g}x: {len(records)} requests in {time.monotonic() - t:.0f} s; attainment "

@@ -306,7 +306,9 @@ PREFIX_MEMORY_BLOCKS = 1 << 14  # NOTE(lane-prefix): prompt blocks remembered pe
 
 def prompt_block_keys(tokens: Sequence[int]) -> list[int]:
     """Keys of a prompt's full KV blocks, chained as the engine chains its prefix cache's keys (not the
-    same keys): the k-th names the first k + 1 blocks (NOTE(lane-prefix))."""
+    same keys): the k-th names the first k + 1 blocks (NOTE(lane-prefix)).  Python's hash, not the
+    engine's ``kv_tiers.keys.prefix_block_hashes``: that package loads torch, and these keys only pick a
+    lane in this process (a collision sends a turn to the other lane, nothing worse)."""
     keys, key = [], 0
     for end in range(BLOCK_SIZE, len(tokens) + 1, BLOCK_SIZE):
         key = hash((key, *tokens[end - BLOCK_SIZE:end]))
