@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STEP_KINDS",
+    "StructuredOutputs",
     "SamplingParams",
     "EngineRequest",
     "EngineAbort",
@@ -52,6 +53,31 @@ class FinishReason:
     ABORT = "abort"  # aborted by the client / server
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on a completion's tokens (vLLM's ``structured_outputs`` names); exactly one is set.
+
+    The engine compiles it with llguidance once per (constraint, tokenizer), off the step
+    loop, and masks each sampled token with it (docs/structured_outputs.md).
+    """
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # llguidance Lark syntax (may embed ``%json {schema}``); GBNF-like EBNF
+
+    def kind(self) -> str:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; got {set_ or 'none'}",
+                param="structured_outputs",
+            )
+        return set_[0]
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one completion.  ``temperature == 0`` means greedy."""
 
@@ -71,6 +97,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top-k alternatives
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +139,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("stop", "must be non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative token ids")
+        if self.structured is not None:
+            self.structured.kind()
 
     @property
     def is_greedy(self) -> bool:
