@@ -15,6 +15,7 @@ in one place (``sluice.http_errors.error_response``, using ``status_code`` /
      │                                   the CLI prints it as one line and exits 2
      ├── ModelLoadError             500  a model file exists but cannot be read (corrupt GGUF, ...)
      ├── AuthenticationError        401
+     ├── PermissionDeniedError      403  the caller may not use this endpoint (admin routes)
      ├── RateLimitError             429  (carries retry_after seconds)
      ├── OverloadedError            429  admission control: queue full
      ├── ServiceUnavailableError    503  draining, engine dead, no healthy replica
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigError",
     "ModelLoadError",
     "AuthenticationError",
+    "PermissionDeniedError",
     "RateLimitError",
     "OverloadedError",
     "ServiceUnavailableError",
@@ -126,6 +128,11 @@ class AuthenticationError(SluiceError):
     error_type = "authentication_error"
 
 
+class PermissionDeniedError(SluiceError):
+    status_code = 403
+    error_type = "permission_error"
+
+
 class _RetryAfter(SluiceError):
     def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None):
         super().__init__(message, code=code)
@@ -177,7 +184,7 @@ def from_parts(
         return retrying[error_type](message, retry_after=1.0 if retry_after is None else retry_after, code=code)
     plain: dict[str, type[SluiceError]] = {
         c.error_type: c
-        for c in (InvalidRequestError, NotFoundError, AuthenticationError, ModelLoadError, ConflictError,
-                  ProfilerUnavailableError, SluiceError)
+        for c in (InvalidRequestError, NotFoundError, AuthenticationError, PermissionDeniedError, ModelLoadError,
+                  ConflictError, ProfilerUnavailableError, SluiceError)
     }
     return plain.get(error_type, SluiceError)(message, param=param, code=code)

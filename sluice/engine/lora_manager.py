@@ -19,6 +19,12 @@ The load is reported as a ``LoRALoadRecord`` carrying the traceparent of the
 request (or admin call) that caused it, which the API process turns into a
 span, child of that request's span, and metrics.
 
+NOTE(lora-file-sizes): an adapter's files are sized before they are read: the
+config at most MAX_CONFIG_BYTES, the weights at most what an adapter of rank
+--max-lora-rank on every target of this base model takes in float64 (the
+widest dtype), plus room for the safetensors header.  A bigger file cannot be
+a valid adapter, and reading it would hold the loader (and memory) for nothing.
+
 NOTE(lora-pins): an adapter with unfinished requests is never evicted, so a
 load waits for a slot when every resident adapter is in use (capacity >=
 --max-loras guarantees the adapters of running requests always fit).
@@ -38,15 +44,53 @@ from typing import TYPE_CHECKING, Any
 from sluice.engine.protocol import LoRALoadRecord, LoRAStats
 from sluice.engine.request import Request
 from sluice.errors import InvalidRequestError, ModelNotFoundError, SluiceError
-from sluice.models.lora import LoRAAdapter, LoRABatch, LoRAGroup, load_lora
+from sluice.models.lora import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoRAAdapter,
+    LoRABatch,
+    LoRAGroup,
+    load_lora,
+)
 
 if TYPE_CHECKING:
     from sluice.engine.scheduler import SchedulerOutput
+    from sluice.models.config import ModelConfig
     from sluice.models.llama import LlamaForCausalLM
 
-__all__ = ["Adapter", "LoRAManager", "build_lora_batch", "cache_salt"]
+__all__ = ["Adapter", "LoRAManager", "build_lora_batch", "cache_salt", "check_file_sizes", "max_weights_bytes"]
 
 log = logging.getLogger("sluice.engine")
+
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json (NOTE(lora-file-sizes))
+_HEADER_BYTES = 1 << 20  # safetensors header allowance, plus _TENSOR_HEADER_BYTES per tensor
+_TENSOR_HEADER_BYTES = 512
+
+
+def max_weights_bytes(cfg: ModelConfig, max_rank: int) -> int:
+    """Largest ``adapter_model.safetensors`` an adapter of rank ``max_rank`` can take on this
+    base model (every target of every layer, float64)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    # (in + out) of q, k, v, o, gate, up, down: A is (r, in), B is (out, r)
+    per_rank = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    num_tensors = cfg.num_layers * 7 * 2
+    return cfg.num_layers * max_rank * per_rank * 8 + _HEADER_BYTES + num_tensors * _TENSOR_HEADER_BYTES
+
+
+def check_file_sizes(path: str, max_weights: int) -> None:
+    """Refuse an adapter whose files are larger than any valid one (NOTE(lora-file-sizes))."""
+    p = Path(path)
+    for name, limit, why in ((CONFIG_FILE, MAX_CONFIG_BYTES, ""),
+                             (WEIGHTS_FILE, max_weights, " for an adapter of rank --max-lora-rank on this base model")):
+        try:
+            size = (p / name).stat().st_size
+        except OSError:
+            continue  # missing: load_lora names the problem
+        if size > limit:
+            raise InvalidRequestError(f"LoRA adapter {path!r}: {name} is {size} bytes, more than the {limit} "
+                                      f"bytes a valid one takes{why}", param="lora_path",
+                                      code="invalid_lora_adapter")  # fmt: skip
 
 
 def cache_salt(name: str, digest: str) -> bytes:
@@ -123,7 +167,7 @@ class LoRAManager:
         """Load and register an adapter in the calling thread (``--lora-modules`` at start-up)."""
         self._check_new(name, path)
         t0 = time.monotonic()
-        weights = load_lora(path, self.model, max_rank=self.max_rank, name=name)
+        weights = self._load(path, name)
         adapter = self._register(name, path, weights.digest)
         self._install(adapter, weights)
         self._count(_Load(name, path, None, "startup", start=t0), weights.num_file_bytes, None)
@@ -262,9 +306,14 @@ class LoRAManager:
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-lora-load")
         ld.start = time.monotonic()
-        ld.future = self._executor.submit(load_lora, ld.path, self.model, max_rank=self.max_rank, name=ld.name)
+        ld.future = self._executor.submit(self._load, ld.path, ld.name)
         self._running.append(ld)
         log.info("loading LoRA adapter %r from %s (%s)", ld.name, ld.path, ld.cause)
+
+    def _load(self, path: str, name: str) -> LoRAAdapter:
+        """Size-check, read, check and pack an adapter (the loader thread, or start-up)."""
+        check_file_sizes(path, max_weights_bytes(self.model.cfg, self.max_rank))
+        return load_lora(path, self.model, max_rank=self.max_rank, name=name)
 
     def _finish(self, ld: _Load) -> None:
         assert ld.future is not None

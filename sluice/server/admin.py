@@ -5,13 +5,21 @@
     POST /admin/kv/checkpoint    write every cached prefix block the disk tier lacks, now, and
                                  wait until it is on disk (e.g. before a planned restart)
 
-When API keys are configured, both need an admin key (``admin: true`` in the
-keys file, or ``admin_keys``); with no keys configured they are open, like the
-rest of the server.
+Like every admin endpoint (``/admin/*``, the LoRA load and unload routes)
+they are closed unless an operator opens them (NOTE(admin-access) in
+``sluice.auth``): an admin key (``--admin-key``, ``admin_keys`` or ``admin: true``
+in the keys file), or ``--allow-admin-without-key`` behind the operator's own
+proxy; with neither, they answer to loopback clients of a server bound to
+loopback alone and without keys, and 403 to everyone else.
+
+``doctor_report`` is the server's part of ``sluice doctor``: whether the
+``sluice serve`` configured by this environment (``SLUICE_*``, ``SLUICE_CONFIG``)
+would listen beyond loopback without keys.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,27 +27,20 @@ import msgspec
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from sluice.auth import KeyInfo, KeyStore
+from sluice.auth import KeyInfo, is_loopback_host
 from sluice.engine.protocol import EngineStats
-from sluice.errors import AuthenticationError, SluiceError
+from sluice.errors import SluiceError
 from sluice.http_errors import error_response
 
 if TYPE_CHECKING:
     from sluice.server.state import ServerState
 
-__all__ = ["add_admin_routes", "kv_report", "authenticate_admin"]
+__all__ = ["add_admin_routes", "kv_report", "authenticate_admin", "doctor_report"]
 
 
-def authenticate_admin(keys: KeyStore, headers: Mapping[str, str]) -> KeyInfo | None:
-    """Open when no keys are configured (like the rest of the server); else an admin key."""
-    if not keys.enabled:
-        return None
-    if not keys.has_admin:
-        raise AuthenticationError("admin endpoints are disabled: API keys are configured but no admin key")
-    key = keys.authenticate(headers.get("authorization"))
-    if not key.is_admin:
-        raise AuthenticationError("this endpoint needs an admin key")
-    return key
+def authenticate_admin(state: ServerState, request: Request) -> KeyInfo:
+    """The caller's key if it may use an admin endpoint; else a 401 / 403 ``SluiceError``."""
+    return state.admin.check(request.headers, request.client.host if request.client else None)
 
 
 def _rate(part: int, whole: int) -> float:
@@ -87,7 +88,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/admin/kv")
     async def admin_kv(request: Request) -> Response:
         try:
-            authenticate_admin(state.keys, request.headers)
+            authenticate_admin(state, request)
         except SluiceError as e:
             return error_response(e)
         return _json(kv_report(state.client.stats))
@@ -95,7 +96,7 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/admin/kv/checkpoint")
     async def admin_kv_checkpoint(request: Request) -> Response:
         try:
-            authenticate_admin(state.keys, request.headers)
+            authenticate_admin(state, request)
             result = await state.client.control("kv_checkpoint")
         except SluiceError as e:
             return error_response(e)
@@ -104,3 +105,22 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
 
 def _json(doc: Any) -> Response:
     return Response(msgspec.json.encode(doc), media_type="application/json")
+
+
+def doctor_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``serve`` for ``sluice doctor``: the bind address and keys of the ``sluice serve`` this
+    environment configures (``SLUICE_HOST``, ``SLUICE_API_KEY``, ..., ``SLUICE_CONFIG``)."""
+    from sluice.server.config import load_settings
+
+    try:
+        s = load_settings(environ=os.environ if environ is None else environ)
+    except Exception as e:  # noqa: BLE001 -- a bad setting is `sluice serve`'s to report; doctor goes on
+        return {"serve": {"error": f"{type(e).__name__}: {e}"}}
+    return {"serve": {
+        "host": s.host,
+        "is_loopback": is_loopback_host(s.host),
+        "has_api_keys": bool(s.api_key or s.keys_file),
+        "has_admin_key": bool(s.admin_key),
+        "allow_admin_without_key": s.allow_admin_without_key,
+        "enable_runtime_lora": s.enable_runtime_lora,
+    }}  # fmt: skip

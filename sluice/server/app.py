@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sluice.auth import KeyStore, RateLimiter
+from sluice.auth import AdminAccess, KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
 from sluice.engine.protocol import EngineStats
 from sluice.errors import PayloadTooLargeError, ServiceUnavailableError, SluiceError
@@ -125,7 +125,9 @@ def build_app(
 ) -> FastAPI:
     metrics = ServerMetrics(settings.model_name)
     tracing = Tracing(tracer_provider or build_tracer_provider(settings.otlp_endpoint))
-    keys = KeyStore.build(settings.api_key, settings.keys_file)
+    keys = KeyStore.build(settings.api_key, settings.keys_file, admin_keys=settings.admin_key)
+    admin = AdminAccess(keys, host=settings.host, allow_without_key=settings.allow_admin_without_key)
+    log.info("%s", admin.describe())  # NOTE(admin-access) in sluice.auth
     state_box: dict[str, ServerState] = {}
 
     def _dead() -> None:
@@ -194,6 +196,7 @@ def build_app(
         rate_limiter=RateLimiter(clock),
         admission=admission,
         codec_factory=codec_factory or load_codec,
+        admin=admin,
         on_ready=on_ready,
         on_engine_dead=on_engine_dead,
         num_lanes=n,

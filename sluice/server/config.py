@@ -56,6 +56,18 @@ class ServerSettings(BaseModel):
     api_key: list[str] = Field(default_factory=list, description=(
         "Accept this API key (tier p0, no limit); repeatable, comma-separated in the environment."))
     keys_file: str | None = Field(None, description="YAML/JSON keys file: key -> tier, rpm, tpm.")
+    # admin endpoints and runtime LoRA loading (NOTE(admin-access) in sluice.auth, docs/server.md)
+    admin_key: list[str] = Field(default_factory=list, description=(
+        "Accept this key on the admin endpoints (/admin/*, LoRA load/unload) only; repeatable, comma-separated "
+        "in the environment. Without an admin key they answer to loopback clients of a loopback-bound server."))
+    allow_admin_without_key: bool = Field(False, description=(
+        "Serve the admin endpoints to every client the API accepts, with no admin key (only behind a proxy "
+        "of yours that guards /admin/*)."))
+    enable_runtime_lora: bool = Field(False, description=(
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin endpoints); adapters load from "
+        "--lora-dir only."))
+    lora_dir: list[str] = Field(default_factory=list, description=(
+        "A directory runtime LoRA loads may read adapters from (repeatable; comma-separated in the environment)."))
     max_queued_requests: int = Field(256, ge=0, description="Admitted, not started requests before 429.")
     max_queued_tokens: int = Field(262_144, ge=0, description="Their prompt + max_tokens before 429.")
     slo: str = Field("auto", description=(
@@ -87,7 +99,7 @@ class ServerSettings(BaseModel):
         "Send continuous profiles to this Pyroscope server (pip install 'sluice-llm[pyroscope]'); "
         "default: off. An unreachable server never affects serving."))
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "admin_key", "lora_dir", mode="before")
     @classmethod
     def _keys(cls, v: object) -> object:
         # NOTE(env-keys): one key or a comma-separated list, as in SLUICE_API_KEY.
@@ -170,6 +182,9 @@ def load_settings(
         nested.update({k: v for k, v in values.items() if k not in engine_names})
         settings = ServerSettings.model_validate(nested)
         settings.engine.validate()
+        if settings.enable_runtime_lora and not settings.lora_dir:
+            raise ConfigError("--enable-runtime-lora needs at least one --lora-dir to load adapters from",
+                              setting="lora_dir")  # fmt: skip
         if settings.data_parallel_size not in ("auto", "1") and settings.engine.device != "cpu":
             raise ConfigError(f"{settings.data_parallel_size} engine cores run on the CPU only, not on "
                               f"--device {settings.engine.device}", setting="data_parallel_size")  # fmt: skip

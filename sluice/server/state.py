@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sluice.auth import KeyStore, RateLimiter
+from sluice.auth import AdminAccess, KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
 from sluice.obs.tracing import Tracing
 from sluice.server.codec import TextCodec
@@ -31,6 +31,7 @@ class ServerState:
     rate_limiter: RateLimiter
     admission: AnyAdmission
     codec_factory: Callable[[str], TextCodec]
+    admin: AdminAccess  # who may call /admin/* and the LoRA load/unload routes (NOTE(admin-access))
     on_ready: Callable[[ModelInfo], None] | None = None
     on_engine_dead: Callable[[], None] | None = None
     serving: OpenAIServing | None = None

@@ -451,7 +451,7 @@ def test_two_real_engine_cores_load_an_adapter_each_and_answer_alike(tmp_path: P
     cfg = ModelConfig.from_hf(json.loads((model / "config.json").read_text()))
     adapter = make_lora_dir(tmp_path / "a", cfg, rank=4, seed=1)
     s = load_settings(model=str(model), kv_cache_memory="32MiB", max_model_len=512, max_lora_rank=16,
-                      data_parallel_size=2, num_threads=1)  # fmt: skip
+                      data_parallel_size=2, num_threads=1, enable_runtime_lora=True, lora_dir=[str(tmp_path)])  # fmt: skip
     srv = ServerThread(build_app(s)).start(timeout=180)
     try:
         client = srv.state.client

@@ -46,7 +46,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def start(tiny: dict[str, Path], provider: TracerProvider | None = None, **settings: Any) -> ServerThread:
     s = load_settings(model=str(tiny["model"]), kv_cache_memory="32MiB", max_model_len=512, max_lora_rank=16,
-                      **settings)  # fmt: skip
+                      enable_runtime_lora=True, lora_dir=[str(tiny["model"].parent)], **settings)  # fmt: skip
     return ServerThread(build_app(s, tracer_provider=provider)).start(timeout=120)
 
 
@@ -144,9 +144,9 @@ def test_load_endpoints_need_an_admin_key_when_keys_are_configured(tiny: dict[st
     srv = start(tiny, keys_file=str(keys))
     try:
         body = {"lora_name": "c", "lora_path": str(tiny["c"])}
-        for headers in ({}, {"authorization": "Bearer sk-user"}):
+        for headers, status in (({}, 401), ({"authorization": "Bearer sk-user"}, 403)):
             r = httpx.post(srv.url + "/v1/load_lora_adapter", json=body, headers=headers, timeout=60)
-            assert r.status_code == 401, r.text
+            assert r.status_code == status, r.text
         r = httpx.post(srv.url + "/v1/load_lora_adapter", json=body, headers={"authorization": "Bearer sk-admin"}, timeout=60)
         assert r.status_code == 200, r.text
         r = httpx.post(srv.url + "/v1/completions", headers={"authorization": "Bearer sk-user"}, timeout=60,

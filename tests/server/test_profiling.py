@@ -148,7 +148,7 @@ def test_admin_key_is_required_when_keys_are_configured(tmp_path: Path) -> None:
         body = {"seconds": 0.2, "py_spy": False, "torch_trace": False}
         assert httpx.post(srv.url + "/admin/profile", json=body).status_code == 401
         user = httpx.post(srv.url + "/admin/profile", json=body, headers={"authorization": "Bearer sk-user"})
-        assert user.status_code == 401 and "admin" in user.json()["error"]["message"]
+        assert user.status_code == 403 and "admin" in user.json()["error"]["message"]
         admin = httpx.post(srv.url + "/admin/profile", json=body, headers={"authorization": "Bearer sk-admin"},
                            timeout=60)  # fmt: skip
         assert admin.status_code == 200
