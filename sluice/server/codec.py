@@ -44,8 +44,13 @@ class ModelCodec:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return str(self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """``tools``: passed to a template that takes them (sluice.server.tools, NOTE(tool-format))."""
+        kwargs = {} if tools is None else {"tools": tools}
+        return str(self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs))
 
     def detokenizer(
         self, stop: list[str], skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()

@@ -3,6 +3,9 @@
 Strict types (``"5"`` is not an int) and unknown fields rejected, as OpenAI
 does; every failure becomes a 400 naming the parameter.  ``sampling_params()``
 turns a request into the engine's ``SamplingParams`` (which validates ranges).
+Output constraints (``response_format``, vLLM's ``structured_outputs`` and
+``guided_*``) are read by ``sluice.server.structured``, tools and tool calls by
+``sluice.server.tools``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from sluice.engine.protocol import SamplingParams
 from sluice.errors import InvalidRequestError
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"]
+__all__ = [
+    "CompletionRequest",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "StreamOptions",
+    "Tool",
+    "ToolCall",
+    "FunctionDef",
+    "NamedToolChoice",
+]
 
 
 class _Strict(BaseModel):
@@ -31,11 +43,45 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # sluice always holds the arguments to the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    refusal: str | None = None  # sent back by clients that replay an assistant message
 
     def text(self) -> str:
         if self.content is None:
@@ -66,6 +112,17 @@ class _Common(_Strict):
     skip_special_tokens: bool = True
     priority: str | int | None = None  # p0 / p1 / p2 (capped by the API key's tier)
     logit_bias: dict[str, float] | None = None
+    # output constraints (sluice.server.structured): OpenAI's, then vLLM's extras
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def guided(self) -> dict[str, Any]:
+        return {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}  # fmt: skip
 
     def _stop_list(self) -> list[str]:
         if self.stop is None:
@@ -136,18 +193,13 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
     def sampling_params(self, max_tokens_default: int) -> SamplingParams:
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise InvalidRequestError(
-                "only response_format {'type': 'text'} is supported", param="response_format"
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs: true", param="top_logprobs")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(mt if mt is not None else max_tokens_default, lp)
-
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]

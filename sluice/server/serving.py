@@ -1,7 +1,7 @@
 """The life of an OpenAI request inside the API process (DESIGN.md, steps 1-5).
 
-    body -> schema -> model -> priority (capped by the key's tier) -> tokenize
-         -> context check -> rate limit -> admission -> engine -> deltas -> response
+    body -> schema -> model -> priority (capped by the key's tier) -> constraint, tools
+         -> tokenize -> context check -> rate limit -> admission -> engine -> deltas -> response
 
 ``OpenAIServing.handle()`` returns either a finished JSON document or an SSE
 body generator; the route (``app.py``) wraps it in a response.  Everything a
@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from sluice.auth import KeyInfo, KeyStore, RateLimiter
 from sluice.engine.config import ModelInfo
-from sluice.engine.protocol import EngineRequest, SamplingParams
+from sluice.engine.protocol import EngineRequest, SamplingParams, StructuredOutputs
 from sluice.engine.validation import validate_prompt, validate_request
 from sluice.errors import (
     InvalidRequestError,
@@ -35,12 +35,20 @@ from sluice.errors import (
 from sluice.obs.logging import REQUEST_LOGGER
 from sluice.obs.tracing import Tracing
 from sluice.server.admission import OVERDUE_FACTOR, OVERDUE_SWEEP_S
-from sluice.server.codec import TextCodec
+from sluice.server.codec import ModelCodec, TextCodec
 from sluice.server.generation import Choice, Generation
 from sluice.server.lanes import AnyAdmission, AnyClient
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.render import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, sse_event
+from sluice.server.structured import GrammarValidator, build_structured
 from sluice.server.telemetry import ServerMetrics, record_stages
+from sluice.server.tools import (
+    ToolPlan,
+    plan_tools,
+    template_is_native,
+    template_messages,
+    tool_grammar,
+)
 from sluice.types import Priority, parse_priority
 
 __all__ = ["OpenAIServing", "RequestContext", "Prepared"]
@@ -76,6 +84,7 @@ class Prepared:
     prompts: list[list[int]]
     sampling: SamplingParams
     lora_name: str | None = None  # the LoRA adapter the request's model names; None: the base model
+    tool_plan: ToolPlan | None = None  # a chat request whose answer may hold tool calls
 
 
 class OpenAIServing:
@@ -109,6 +118,8 @@ class OpenAIServing:
         self.inflight: dict[str, Generation] = {}  # RequestContext.uid -> generation
         self._stall_swept_at = float("-inf")  # NOTE(stalled)
         self._token_text_cache: dict[int, str] = {}
+        self.grammars = GrammarValidator()
+        self._is_native_tools: bool | None = None  # NOTE(tool-format) in sluice.server.tools; None: not probed yet
 
     # -- request preparation -------------------------------------------------------
 
@@ -140,9 +151,10 @@ class OpenAIServing:
         raise ModelNotFoundError(f"model {model!r} is not served here; available: {available}")
 
     async def prepare(self, ctx: RequestContext, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+        structured, plan = self.constraint(req)
         span = self.tracing.tracer.start_span("tokenize", context=_ctx_of(ctx.span))
         try:
-            prompts = await self._tokenize(req)
+            prompts = await self._tokenize(req, plan)
         finally:
             span.end()
         info = self.model_info
@@ -156,20 +168,56 @@ class OpenAIServing:
         else:
             sampling = req.sampling_params(16)
             kind = "completion"
+        sampling.structured = structured
         # the engine core's own check, answered here without the round trip
         validate_request(longest, sampling, info, int(ctx.priority))
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         ctx.stream = req.stream
-        return Prepared(kind, req, prompts, sampling)
+        return Prepared(kind, req, prompts, sampling, tool_plan=plan)
 
-    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    def constraint(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputs | None, ToolPlan | None]:
+        """The request's output constraint (validated: a 400 naming the parameter) and its tool plan."""
+        structured, param = build_structured(req.response_format, req.structured_outputs, req.guided(), self.grammars)
+        plan = plan_tools(req) if isinstance(req, ChatCompletionRequest) else None
+        if plan is None:
+            return structured, None
+        if structured is not None:
+            raise InvalidRequestError(f"{param} cannot be combined with tools unless tool_choice is 'none'",
+                                      param=param)  # fmt: skip
+        grammar = tool_grammar(plan)
+
+        def make() -> str:
+            from llguidance import LLMatcher
+
+            return LLMatcher.grammar_from_lark(grammar)
+
+        verdict = self.grammars.reason("tools", grammar, make)
+        if verdict:  # a function's parameters that llguidance cannot hold the arguments to
+            raise InvalidRequestError(f"tools: a function's parameters schema is not supported: {verdict}",
+                                      param="tools")  # fmt: skip
+        return StructuredOutputs(grammar=grammar), plan
+
+    def _is_native(self) -> bool:
+        """Whether the chat template takes tools in sluice's call format (probed once)."""
+        if self._is_native_tools is None:
+            codec = self.codec
+            self._is_native_tools = isinstance(codec, ModelCodec) and template_is_native(
+                lambda m, t: codec.apply_chat_template(m, add_generation_prompt=True, tools=t)
+            )
+        return self._is_native_tools
+
+    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None = None) -> list[list[int]]:
         codec = self.codec
         if isinstance(req, ChatCompletionRequest):
-            msgs = req.message_dicts()
+            native = (plan is not None or any(m.tool_calls or m.role == "tool" for m in req.messages)) and self._is_native()
+            msgs, tools = template_messages(req, plan, native)
             size = sum(len(m["content"]) for m in msgs)
 
             def work_chat() -> list[list[int]]:
-                text = codec.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+                if tools is not None and isinstance(codec, ModelCodec):
+                    text = codec.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt, tools=tools)
+                else:
+                    text = codec.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
                 # NOTE(chat-bos): the chat template already wrote any BOS it wants.
                 return [codec.encode(text, add_special_tokens=False)]
 
@@ -314,9 +362,11 @@ class OpenAIServing:
     # -- responses -----------------------------------------------------------------
 
     def renderer(self, ctx: RequestContext, prep: Prepared) -> Renderer:
-        cls = ChatRenderer if prep.kind == "chat" else CompletionRenderer
-        prefix = "chatcmpl-" if prep.kind == "chat" else "cmpl-"
-        return cls(prefix + ctx.request_id, prep.lora_name or self.served_model_name, int(time.time()), self.token_text)
+        model = prep.lora_name or self.served_model_name
+        if prep.kind == "chat":
+            return ChatRenderer("chatcmpl-" + ctx.request_id, model, int(time.time()), self.token_text,
+                                is_tool_parsing=prep.tool_plan is not None)  # fmt: skip
+        return CompletionRenderer("cmpl-" + ctx.request_id, model, int(time.time()), self.token_text)
 
     def token_text(self, token_id: int) -> str:
         s = self._token_text_cache.get(token_id)
