@@ -4,7 +4,8 @@
     GET  /v1/models                              the configured models, and the LoRA adapters replicas serve (with parent)
     GET  /health                                 200 while some model has a routable replica
     GET  /metrics                                Prometheus text (metrics.py)
-    GET  /admin/replicas, /admin/models          state and load figures (admin key)
+    GET  /admin/replicas, /admin/models          state and load figures (admin key, NOTE(admin-access)
+                                                 in sluice.auth: closed unless an operator opens them)
     GET  /admin/degradation                      levels, load scores, level changes (admin key)
     GET  /admin/rollout, POST /admin/rollout     version shares, canary windows, rollbacks; set shares
     GET  /admin/autoscale                        autoscaled models: replicas, decisions (admin key)
@@ -32,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from sluice.auth import KeyStore
+from sluice.auth import AdminAccess, KeyStore
 from sluice.errors import InvalidRequestError, PayloadTooLargeError, SluiceError
 from sluice.gateway.adapters import adapters_by_model
 from sluice.gateway.autoscale import Autoscaler
@@ -108,6 +109,11 @@ def build_app(
     launchers: dict[str, Launcher] | None = None,
 ) -> GatewayApp:
     gateway = Gateway(config, client=client, clock=clock, keys=keys, tracer_provider=tracer_provider)
+    for key in config.admin_keys:
+        gateway.keys.add_admin_key(key)
+    admin = AdminAccess(gateway.keys, host=config.host, allow_without_key=config.allow_admin_without_key,
+                        name="sluice gateway")  # fmt: skip
+    log.info("%s", admin.describe())
     scraper = Scraper(config, gateway.pool, lambda: gateway.client.session, clock=clock)
     autoscaler = _build_autoscaler(config, gateway, launchers, clock)
 
@@ -117,6 +123,9 @@ def build_app(
 
     def _rid(request: Request) -> str:
         return request.headers.get("x-request-id") or ""
+
+    def _admin(request: Request) -> None:
+        admin.check(request.headers, request.client.host if request.client else None)
 
     async def models(request: Request) -> Response:
         try:
@@ -141,7 +150,7 @@ def build_app(
 
     async def admin_replicas(request: Request) -> Response:
         try:
-            gateway.authenticate_admin(request.headers)
+            _admin(request)
         except SluiceError as e:
             return error_response(e, _rid(request))
         now = clock()
@@ -149,7 +158,7 @@ def build_app(
 
     async def admin_models(request: Request) -> Response:
         try:
-            gateway.authenticate_admin(request.headers)
+            _admin(request)
         except SluiceError as e:
             return error_response(e, _rid(request))
         out = {}
@@ -162,14 +171,14 @@ def build_app(
 
     async def admin_degradation(request: Request) -> Response:
         try:
-            gateway.authenticate_admin(request.headers)
+            _admin(request)
         except SluiceError as e:
             return error_response(e, _rid(request))
         return JSONResponse(gateway.degradation_view())
 
     async def admin_rollout(request: Request) -> Response:
         try:
-            gateway.authenticate_admin(request.headers)
+            _admin(request)
             if request.method == "POST":
                 try:
                     body = json.loads(await request.body())
@@ -187,7 +196,7 @@ def build_app(
 
     async def admin_autoscale(request: Request) -> Response:
         try:
-            gateway.authenticate_admin(request.headers)
+            _admin(request)
         except SluiceError as e:
             return error_response(e, _rid(request))
         return JSONResponse({"models": autoscaler.describe() if autoscaler is not None else {}})

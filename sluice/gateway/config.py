@@ -296,6 +296,13 @@ class GatewayConfig(_Strict):
     api_keys: list[str] = Field(default_factory=list, description="Accepted API key (repeatable).",
                                 json_schema_extra={"flags": ["--api-key"], "envvars": ["SLUICE_API_KEY"]})  # fmt: skip
     keys_file: str | None = Field(default=None, description="Keys file (tiers, rate limits, admin keys).")
+    # NOTE(admin-access) in sluice.auth: the rule of `sluice serve`
+    admin_keys: list[str] = Field(default_factory=list, description=(
+        "Accept this key on /admin/* only (repeatable). Without an admin key /admin/* answers to loopback "
+        "clients of a loopback-bound gateway with no keys."),
+        json_schema_extra={"flags": ["--admin-key"], "envvars": ["SLUICE_ADMIN_KEY"]})  # fmt: skip
+    allow_admin_without_key: bool = Field(default=False, description=(
+        "Serve /admin/* to every client the gateway accepts, with no admin key (behind a proxy of yours)."))
     seed: int | None = None  # rng seed for policies and version picks (tests)
     max_request_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies get 413
     otlp_endpoint: str | None = Field(default=None, description="OTLP/HTTP collector URL for traces (default: off).")

@@ -32,7 +32,6 @@ from starlette.types import Receive, Scope, Send
 
 from sluice.auth import KeyInfo, KeyStore, RateLimiter
 from sluice.errors import (
-    AuthenticationError,
     InvalidRequestError,
     OverloadedError,
     ServiceUnavailableError,
@@ -179,14 +178,6 @@ class Gateway:
 
     def authenticate(self, headers: Mapping[str, str]) -> KeyInfo:
         return self.keys.authenticate(headers.get("authorization"))
-
-    def authenticate_admin(self, headers: Mapping[str, str]) -> KeyInfo:
-        if not self.keys.has_admin:
-            raise AuthenticationError("admin endpoints are disabled: no admin key is configured")
-        key = self.keys.authenticate(headers.get("authorization"))
-        if not key.is_admin:
-            raise AuthenticationError("this endpoint needs an admin key")
-        return key
 
     def parse_request(self, raw: bytes) -> _Parsed:
         try:

@@ -78,7 +78,7 @@ async def test_level_1_caps_max_tokens_and_says_so(tmp_path: Path) -> None:
             assert _metric(metrics, "sluice_gateway_degradation_changes_total", direction="up") == 1.0
             view = (await http.get(url + "/admin/degradation", headers=ADMIN)).json()
             assert view["models"]["m"]["level"] == 1 and "score" in view["models"]["m"]["changes"][0]["reason"]
-            assert (await http.get(url + "/admin/degradation", headers=USER)).status_code == 401
+            assert (await http.get(url + "/admin/degradation", headers=USER)).status_code == 403
 
 
 async def test_level_2_sends_p1_and_p2_to_the_fallback_and_keeps_p0(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ async def test_bad_input_gets_openai_errors(http: httpx.AsyncClient, tmp_path) -
             (await http.post(url + "/v1/completions", json=_completion(model="nope"), headers=auth), 404),
             (await http.post(url + "/v1/completions", json=_completion(stream="yes"), headers=auth), 400),
             (await http.post(url + "/v1/completions", json=_completion(), headers={**auth, "x-priority": "urgent"}), 400),
-            (await http.get(url + "/admin/replicas", headers=auth), 401),
+            (await http.get(url + "/admin/replicas", headers=auth), 403),
             (await http.get(url + "/no/such/route"), 404),
         ]
         for r, want in cases:

@@ -98,7 +98,7 @@ async def test_post_admin_rollout_changes_shares_live_without_dropping_requests(
             async def post(payload: object, headers: dict[str, str] = ADMIN) -> httpx.Response:
                 return await http.post(url + "/admin/rollout", json=payload, headers=headers)
 
-            assert (await post({"model": "m", "shares": {"canary": 100}}, USER)).status_code == 401
+            assert (await post({"model": "m", "shares": {"canary": 100}}, USER)).status_code == 403
             bad = await post({"model": "m", "shares": {"nope": 5}})
             assert bad.status_code == 400 and "no version 'nope'" in bad.json()["error"]["message"]
             assert (await post({"model": "m", "shares": {"canary": -1}})).status_code == 400
