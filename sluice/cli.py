@@ -8,6 +8,7 @@ gateway and bench commands never import torch.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
 
@@ -36,7 +37,15 @@ def _register_all() -> None:
 
     for mod in (engine_cli, server_cli, gateway_cli, bench_cli, models_cli):
         mod.register(app)
-    obs_cli.register(app, probes=[engine_doctor.report])  # obs knows no engine: the probe is handed in
+    # obs knows no engine or server: the probes are handed in
+    obs_cli.register(app, probes=[engine_doctor.report, _serve_probe])
+
+
+def _serve_probe() -> dict[str, Any]:
+    # imported when `sluice doctor` runs, not at start-up
+    from sluice.server.admin import doctor_report
+
+    return doctor_report()
 
 
 _register_all()

@@ -8,7 +8,10 @@ it fake machines.  What it checks:
 - a GPU on a degraded PCIe link (generation or width below its maximum);
 - placement: an engine started from this shell would not run on its GPU's
   NUMA node, or would spread over several nodes;
-- kernels: a C++ extension that is missing or JIT-built, the scalar GEMM path.
+- kernels: a C++ extension that is missing or JIT-built, the scalar GEMM path;
+- exposure: the ``sluice serve`` this environment configures (``SLUICE_HOST``,
+  ``SLUICE_API_KEY``, ``SLUICE_CONFIG``, ...) would listen beyond loopback with
+  no API keys (the ``serve`` probe, ``sluice.server.admin.doctor_report``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ __all__ = ["Advice", "advise"]
 
 @dataclass(frozen=True)
 class Advice:
-    topic: str  # threads | pcie | placement | kernels
+    topic: str  # threads | pcie | placement | kernels | exposure
     problem: str
     fix: str
 
@@ -32,7 +35,7 @@ class Advice:
 
 
 def advise(report: dict[str, Any]) -> list[Advice]:
-    return [*_threads(report), *_pcie(report), *_placement(report), *_kernels(report)]
+    return [*_threads(report), *_pcie(report), *_placement(report), *_kernels(report), *_exposure(report)]
 
 
 def _threads(r: dict[str, Any]) -> list[Advice]:
@@ -116,3 +119,19 @@ def _kernels(r: dict[str, Any]) -> list[Advice]:
         out.append(Advice("kernels", "this CPU has no AVX2: quantized GEMMs run the scalar path (several times slower)",
                           "serve on a CPU with AVX2 or AVX-512 VNNI, or serve --quantization none"))
     return out
+
+
+def _exposure(r: dict[str, Any]) -> list[Advice]:
+    serve = r.get("serve") or {}
+    if not serve.get("host") or serve.get("is_loopback") or serve.get("has_api_keys"):
+        return []
+    if serve.get("has_admin_key"):
+        admin = "the admin endpoints need the admin key"
+    elif serve.get("allow_admin_without_key"):
+        admin = "and --allow-admin-without-key opens the admin endpoints to them too"
+    else:
+        admin = "the admin endpoints stay closed: no admin key"
+    return [Advice("exposure", f"sluice serve would listen on {serve['host']}, beyond this machine, with no API "
+                               f"keys: anyone who reaches the port can use the model ({admin})",
+                   "set API keys (--api-key / --keys-file, SLUICE_API_KEY) and an admin key (--admin-key, "
+                   "SLUICE_ADMIN_KEY), or bind --host 127.0.0.1 behind a proxy that authenticates")]  # fmt: skip
