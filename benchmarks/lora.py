@@ -70,7 +70,8 @@ def start_server(args: argparse.Namespace, adapters: dict[str, Path]) -> Server:
     modules = [f"{n}={p}" for n, p in adapters.items() if n != "fresh"]
     return start_sluice(args, more_flags=[
         "--max-loras", str(NUM_ADAPTERS), "--max-cpu-loras", str(NUM_ADAPTERS),
-        "--max-lora-rank", str(max(args.rank, 16)), "--lora-modules", *modules])  # fmt: skip
+        "--max-lora-rank", str(max(args.rank, 16)), "--lora-modules", *modules,
+        "--enable-runtime-lora", "--lora-dir", str(adapters["fresh"].parent)])  # fmt: skip
 
 
 async def run(server: Server, concurrency: int, prompts: list[list[int]], models: list[str]) -> dict[str, Any]:

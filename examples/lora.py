@@ -56,7 +56,9 @@ def offline(model: str, adapters: dict[str, Path]) -> None:
 
 def over_http(model: str, adapters: dict[str, Path]) -> None:
     cmd = [sys.executable, "-m", "sluice.cli", "serve", "--model", model, "--port", "0", "--log-level", "warning",
-           "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}", "--max-loras", "2"]
+           "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}", "--max-loras", "2",
+           # the load endpoint is opt-in, and reads adapters from --lora-dir only (docs/server.md)
+           "--enable-runtime-lora", "--lora-dir", str(adapters["poem"].parent)]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert server.stdout is not None
