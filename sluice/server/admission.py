@@ -9,9 +9,30 @@ prefilled it).  ``admit`` decides at once, never by timing out:
    lower classes (for P1 only those queued a moment ago, NOTE(young-victims))
    are shed (lowest class first) if that brings it within target; otherwise the
    new request gets 429 with a ``Retry-After`` of the predicted excess, jittered.
+   A class whose target is derived (``--slo`` not given for it) is held to it
+   only while another class shares the engine (NOTE(lone-class)); every
+   request is refused past the longest wait a client waits (``max_queue_wait``,
+   code ``wait_too_long``).
 2. A hard bound in requests (``max_queued_requests``) and tokens
    (``max_queued_tokens``: prompt + max_tokens), shed the same way: the
    last line of defence when the engine has not been measured yet.
+
+NOTE(lone-class): a derived target (NOTE(auto-slo) in ``slo``) binds only
+while another class is active beside the request's: for P1 and P2 a higher
+class, for P0 a lower one (active: queued here, in the engine, or admitted in
+the last ``ACTIVE_WINDOW_S``).  A class alone is queued and served, as vLLM
+and llama-server serve it, and refused only past ``max_queue_wait`` or by
+the hard bounds.  Derived from an idle engine's TTFT, a lone class's target
+protects nobody: no other class waits for it to step aside.  Held to it, a
+closed loop of 32 P1 streams (128-token prompts) got 108 of 128 requests
+refused on a 2.00 s target while ``--slo off`` served all 128 at a p95 TTFT
+of 2.25 s, and clients that resend at once turned the 429s into nine tenths
+of the API process's work (issue 57; docs/benchmarks.md, "closed loop").  In a
+mix the derived targets order the classes as before: a lower class gives
+way (refused by its target, shed for a higher one, overdue), and P0 keeps the
+target its protection at 3x load is measured on: a P0 admitted past it takes
+the engine from P0s that can still make theirs (NOTE(p0-margin)).  Targets
+given with ``--slo`` bind always: the operator asked for them.
 
 NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits; shedding newest-first
 keeps the oldest P2 requests' queueing investment.  Shedding is all or nothing: if shedding every
@@ -156,6 +177,7 @@ SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
+ACTIVE_WINDOW_S = RATE_WINDOW_S  # a class admitted this recently is active beside another (NOTE(lone-class))
 EARLY_SHED_S = 0.25  # a class's last refusal, less the time since, refuses before parsing this long (NOTE(early-shed))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 GPS_ITERATIONS = 6  # predictions a wfq wait may take to settle (NOTE(gps-arrivals))
@@ -180,7 +202,8 @@ class _Entry:
     num_prompt_tokens: int  # prompt tokens to prefill, all choices
     seq: int  # admission order
     submitted_at: float  # clock time
-    target: float | None = None  # its class's TTFT target (None: no predicted-wait admission)
+    target: float | None = None  # the TTFT bound it was admitted on: its class's target or max_queue_wait
+    # (None: no predicted-wait admission); overdue past OVERDUE_FACTOR x this
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,7 @@ class AdmissionController:
         policy: str = "wfq",  # the engine's scheduling policy
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
+        max_queue_wait: float = 60.0,  # seconds: the longest predicted TTFT admitted (NOTE(lone-class))
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ):
@@ -214,6 +238,7 @@ class AdmissionController:
         self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_queue_wait = max_queue_wait
         self._clock = clock
         self._rng = rng or random.Random()
         self._queued: dict[str, _Entry] = {}
@@ -233,6 +258,8 @@ class AdmissionController:
         self._swept_at = float("-inf")
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
         self._floor = [0.0 for _ in Priority]  # ... and that refusal's 1-token best case (NOTE(early-shed))
+        self._floor_by_ceiling = [False for _ in Priority]  # ... against max_queue_wait, not the target
+        self._admitted_at = [float("-inf") for _ in Priority]  # last admission by class (NOTE(lone-class))
         self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
         self._p0_margin = (1.0, 0.0)  # ... the factor on P0's predictions it set, and when
@@ -464,13 +491,15 @@ class AdmissionController:
         if self.is_idle:  # a busy period starts (NOTE(surge-onset))
             self._admitted_fast = [Rate(FAST_RATE_WINDOW_S) for _ in Priority]
             self._fast_since = now
+        bound = None
         if self.slo is not None and load.is_measured:
-            victims, predicted, target = self._predicted_wait(load, priority, prompt, victims, lower)
+            victims, predicted, target, bound = self._predicted_wait(load, priority, prompt, victims, lower)
         for e in victims:
             self.remove(e.key)
         self._seq += 1
-        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now, target)
+        self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now, bound)
         self._num_tokens += num_tokens
+        self._admitted_at[priority] = now
         self._drain[priority].add(key, now)
         self._admitted[priority].tick(now)
         self._admitted_fast[priority].tick(now)
@@ -481,30 +510,59 @@ class AdmissionController:
         """Nothing queued, and the engine's last stats showed no request in it (or none came yet)."""
         return not self._queued and (self._stats is None or not _has_work(self._stats))
 
+    def is_active(self, priority: int, load: EngineLoad, now: float) -> bool:
+        """Whether the class has requests queued here or in the engine, or was admitted in the last
+        ``ACTIVE_WINDOW_S`` (NOTE(lone-class))."""
+        return bool(load.num_running_by_priority[priority] or load.num_waiting_by_priority[priority]
+                    or self._drain[priority].queued or now - self._admitted_at[priority] < ACTIVE_WINDOW_S)  # fmt: skip
+
+    def target_binds(self, priority: Priority, load: EngineLoad, now: float) -> bool:
+        """Whether a request of the class is refused past its class's target, or only past ``max_queue_wait``:
+        a target given with ``--slo`` always binds, a derived one while another class is active beside it
+        (above it, or below P0: NOTE(lone-class))."""
+        if self.slo is None:
+            return False
+        if self.slo.seconds[priority] is not None:
+            return True
+        others = range(1, len(Priority)) if priority == Priority.P0 else range(int(priority))
+        return any(self.is_active(k, load, now) for k in others)
+
     def _predicted_wait(
         self, load: EngineLoad, priority: Priority, prompt: int, victims: list[_Entry], lower: list[_Entry]
-    ) -> tuple[list[_Entry], float, float]:
+    ) -> tuple[list[_Entry], float, float, float]:
+        """(victims, predicted TTFT, the class's target, the bound it was admitted on), or ``OverloadedError``."""
         target = self.target(priority, prompt, load)
         assert target is not None
         now = self._clock()
         refused = self._refused_above(priority, now)
         if refused is not None:
             raise refused
+        binds = self.target_binds(priority, load, now)
+        bound = min(target, self.max_queue_wait) if binds else self.max_queue_wait
         for e in victims:
             load.add(e.priority, e.num_prompt_tokens, -1)
         predicted = self.predict(load, priority, prompt)
-        if predicted <= target:
-            return victims, predicted, target
+        if predicted <= bound:
+            return victims, predicted, target, bound
         rest = [e for e in lower if e not in victims
                 and (priority == Priority.P0 or now - e.submitted_at <= SHED_MAX_AGE_S)]  # NOTE(young-victims)
         best = load.copy()
         for e in rest:
             best.add(e.priority, e.num_prompt_tokens, -1)
         best_case = self.predict(best, priority, prompt)
-        if best_case > target:
+        if best_case > bound:
             self._refused_at[priority] = now
+            by_ceiling = bound < target or not binds
             if priority != Priority.P0:  # NOTE(early-shed): what any prompt of the class is predicted at least
                 self._floor[priority] = best_case if prompt <= 1 else self.predict(best, priority, 1)
+                self._floor_by_ceiling[priority] = by_ceiling
+            if by_ceiling:
+                raise OverloadedError(
+                    f"predicted time to first token {predicted:.2f} s is over the server's longest wait "
+                    f"of {bound:.0f} s (--max-queue-wait); retry later",
+                    retry_after=self.jittered(best_case - bound),
+                    code="wait_too_long",
+                )
             raise OverloadedError(
                 f"predicted time to first token {predicted:.2f} s is over the {priority.label} target "
                 f"of {target:.2f} s; retry later",
@@ -515,9 +573,9 @@ class AdmissionController:
             victims = [*victims, e]
             load.add(e.priority, e.num_prompt_tokens, -1)
             predicted = self.predict(load, priority, prompt)
-            if predicted <= target:
+            if predicted <= bound:
                 break
-        return victims, predicted, target
+        return victims, predicted, target, bound
 
     def refuse_early(self, priority: Priority, max_prompt_tokens: int | None = None) -> OverloadedError | None:
         """The refusal a ``priority`` request of at most ``max_prompt_tokens`` prompt tokens (None: any number)
@@ -528,6 +586,12 @@ class AdmissionController:
         if refused is not None or max_prompt_tokens is None or not self.has_floor(priority):
             return refused
         floor = self._floor[priority] - (now - self._refused_at[priority])
+        if self._floor_by_ceiling[priority]:  # refused past max_queue_wait (NOTE(lone-class))
+            if floor <= self.max_queue_wait:
+                return None
+            why = f"predicted time to first token of at least {floor:.2f} s is over the server's longest wait"
+            return OverloadedError(f"{why} of {self.max_queue_wait:.0f} s (--max-queue-wait); retry later",
+                                   retry_after=self.jittered(floor - self.max_queue_wait), code="wait_too_long")
         target = self.target(priority, max_prompt_tokens)
         if target is None or floor <= target:
             return None

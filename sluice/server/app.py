@@ -147,6 +147,7 @@ def build_app(
             policy=settings.engine.scheduling_policy,
             max_num_batched_tokens=settings.engine.max_num_batched_tokens,
             max_num_seqs=settings.engine.max_num_seqs,
+            max_queue_wait=settings.max_queue_wait,
             clock=clock,
         )
         for _ in range(n)

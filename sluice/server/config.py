@@ -72,7 +72,11 @@ class ServerSettings(BaseModel):
     max_queued_tokens: int = Field(262_144, ge=0, description="Their prompt + max_tokens before 429.")
     slo: str = Field("auto", description=(
         "Per-class TTFT targets for admission by predicted wait, e.g. p0=0.5s,p1=2s,p2=5s; a class left out, "
-        "or 'auto', gets max(0.1/2/5 s, 4/10/25 x its unloaded TTFT); 'off': no predicted-wait admission."))
+        "or 'auto', gets max(0.1/2/5 s, 4/10/25 x its unloaded TTFT), held to only while another class is "
+        "active beside it (a class alone is queued and served); 'off': no predicted-wait admission."))
+    max_queue_wait: float = Field(60.0, gt=0, description=(
+        "Seconds: a request whose predicted time to first token is longer gets 429 wait_too_long, whatever "
+        "--slo says (a client waits no longer); not with --slo off."))
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1, description="Largest request body (413 above).")
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds to drain in-flight requests on SIGTERM.")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector URL for traces (default: off).")

@@ -32,7 +32,7 @@ SLO admission (issue 11; ``sluice.server.admission``)::
     sluice_slo_ttft_target_seconds{priority}           gauge: its class's TTFT target (mean prompt)
     sluice_admission_predicted_ttft_seconds{priority}  histogram: the prediction each admitted request got
     sluice_ttft_prediction_error_seconds{priority}     histogram: measured - predicted TTFT (signed)
-    sluice_admission_rejected_total{priority,reason}   counter: 429s; reason = slo_unattainable | queue_full | shed | expired
+    sluice_admission_rejected_total{priority,reason}   counter: 429s; reason = one of REJECT_REASONS
     sluice_slo_requests_total{priority}                counter: finished HTTP requests (served, shed, failed)
     sluice_slo_attained_total{priority}                counter: ... of them served within the class's target
     sluice_engine_step_time_base_seconds               gauge: fitted fixed cost of an engine step
@@ -75,6 +75,9 @@ _LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _KV_LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 PRIORITIES = ("p0", "p1", "p2")
+# the codes of admission's 429s (sluice.server.admission, the sheds of sluice.server.serving): a class's target
+# unattainable, a wait past --max-queue-wait, a hard queue bound, shed for a higher class, overdue
+REJECT_REASONS = ("slo_unattainable", "wait_too_long", "queue_full", "shed", "expired")
 _ERROR_BUCKETS = (-5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -107,11 +110,15 @@ class ServerMetrics:
         self.slo_attained = Counter("sluice_slo_attained", "Requests served within their class's TTFT target.", lab, registry=r)
         self.signal = SloSignalCollector()
         r.register(self.signal)
-        for p in PRIORITIES:  # export zeros from the start: dashboards see every class
+        # NOTE(zero-series): every series whose label values are known exports 0 from the start (as
+        # Prometheus advises), so dashboards and alerts see each class and 429 reason before its first event
+        for p in PRIORITIES:
             for h in (self.ttft, self.tpot, self.e2e, self.queue, self.predicted, self.prediction_error):
                 h.labels(priority=p)
             self.slo_requests.labels(priority=p)
             self.slo_attained.labels(priority=p)
+            for reason in REJECT_REASONS:
+                self.rejected.labels(priority=p, reason=reason)
         r.register(HostCollector())
 
     def observe_stats(self, s: EngineStats) -> None:

@@ -61,9 +61,10 @@ def test_the_chat_bound_is_the_templates_own_tokens_plus_the_contents_bytes() ->
     assert cb.bound(b'{"messages": []}', codec) is None and cb.bound(b"{", codec) is None
 
 
-def _refused_p1(clock: FakeClock, slo: str, backlog: int) -> admission_mod.AdmissionController:
+def _refused_p1(clock: FakeClock, slo: str, backlog: int, num_p0_running: int = 0) -> admission_mod.AdmissionController:
     a = controller(slo, clock)
-    a.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, backlog, 0]))
+    a.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, backlog, 0],
+                          num_running_by_priority=[num_p0_running, 0, 0]))  # fmt: skip
     with pytest.raises(OverloadedError):  # behind the P1 backlog: over P1's target
         a.admit("p1", Priority.P1, 116, 100)
     return a
@@ -93,9 +94,21 @@ def test_the_early_floor_lasts_early_shed_s_and_yields_to_a_longer_prompts_targe
     assert a.refuse_early(Priority.P1, 10) is not None
     clock.now += admission_mod.EARLY_SHED_S
     assert a.refuse_early(Priority.P1, 10) is None, "stale: the next P1 goes the full path and refreshes it"
-    auto = _refused_p1(FakeClock(), "p0=1s,p2=100s", 3000)  # P1's target: max(2 s, 10 x its unloaded TTFT)
+    # P1's target: max(2 s, 10 x its unloaded TTFT), derived: it binds beside a P0 (NOTE(lone-class))
+    auto = _refused_p1(FakeClock(), "p0=1s,p2=100s", 3000, num_p0_running=1)
     assert auto.refuse_early(Priority.P1, 10) is not None
     assert auto.refuse_early(Priority.P1, 10**6) is None, "a prompt that long has a target past the floor"
+
+
+def test_a_lone_class_refused_past_the_longest_wait_is_refused_early_against_that_wait() -> None:
+    # NOTE(lone-class): P1 alone, a derived target: refused only past max_queue_wait (60 s), behind 100k tokens
+    clock = FakeClock()
+    a = _refused_p1(clock, "auto", 100_000)
+    e = a.refuse_early(Priority.P1, 10)
+    assert e is not None and e.code == "wait_too_long", "the floor is over the 60 s wait, not just the 2 s target"
+    lone = _refused_p1(FakeClock(), "auto", 100_000)
+    lone.max_queue_wait = 10_000.0
+    assert lone.refuse_early(Priority.P1, 10) is None, "a floor within the longest wait is parsed and admitted"
 
 
 async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_counts_it(server_factory) -> None:
