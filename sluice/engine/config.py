@@ -174,6 +174,16 @@ class EngineConfig:
     max_cpu_loras: int | None = field(default=None, metadata=setting(
         "LoRA adapters kept loaded in memory, least recently used evicted (default: 2 x --max-loras); "
         "an evicted adapter is reloaded by its next request."))
+    jump_forward: bool = field(default=True, metadata=setting(
+        "Structured outputs: where a request's grammar admits exactly one continuation, append its tokens at "
+        "once and compute them in one step, instead of a decode step each (the tokens are the same)."))
+    structured_compile_timeout: float = field(default=30.0, metadata=setting(
+        "Structured outputs: seconds a request waits for its grammar to compile before it ends with an error."))
+    structured_cache_size: int = field(default=512, metadata=setting(
+        "Structured outputs: compiled grammars kept, least recently used evicted."))
+    structured_cache_memory: int = field(default=256 * 1024**2, metadata=setting(
+        "Structured outputs: memory the compiled grammars kept may take (estimated), e.g. 256MiB.",
+        parse=parse_bytes))
 
     def validate(self) -> None:
         """Range and name checks; ``ConfigError`` naming the field (``.setting``)."""
@@ -208,6 +218,11 @@ class EngineConfig:
             raise bad("lora_modules", f"adapter names must be unique, got {', '.join(adapters)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"unknown KV cache dtype {self.kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}")
+        if not (self.structured_compile_timeout > 0.0):
+            raise bad("structured_compile_timeout", f"must be > 0, got {self.structured_compile_timeout}")
+        for name in ("structured_cache_size", "structured_cache_memory"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.kv_disk_size < 1:
             raise bad("kv_disk_size", f"must be > 0, got {self.kv_disk_size}")
         if self.scheduling_policy not in {p.value for p in SchedulingPolicy}:

@@ -8,6 +8,7 @@ returns ``EngineOutput`` messages and ``make_stats()`` snapshots.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -34,6 +35,12 @@ from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampler import SamplingRow
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.step_model import StepTimeModel
+from sluice.engine.structured import (
+    GrammarCompiler,
+    GrammarState,
+    constraint_key,
+    make_ll_tokenizer,
+)
 from sluice.engine.validation import validate_request
 from sluice.errors import ConfigError, InvalidRequestError, ModelLoadError, SluiceError
 from sluice.models.loader import ModelSource, resolve_model
@@ -112,6 +119,8 @@ class EngineCore:
         self._mid_step_time = 0.0  # seconds the step in flight spent in nested express steps
         self._last_poll = 0.0
         self._step_budget: int | None = None  # the step in flight's token budget
+        self._grammars: GrammarCompiler | None = None  # built by the first constrained request (grammars)
+        self._compiling: dict[str, Request] = {}  # request_id -> a waiting request whose grammar compiles
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -138,6 +147,12 @@ class EngineCore:
         req = Request.from_engine_request(ereq, self.scheduler.clock)
         if req.lora_name is not None:
             self.lora.acquire(req)  # ModelNotFoundError for an unknown adapter; starts its load if needed
+        if sp.structured is not None:
+            key = constraint_key(sp.structured)  # InvalidRequestError for a malformed one; the rest compiles later
+            self.grammars.submit(key)
+            self.grammars.counters.num_requests += 1
+            req.grammar = GrammarState(key, self.scheduler.clock(), self.config.jump_forward)
+            self._compiling[rid] = req
         if sp.seed is not None:
             self.generators[rid] = torch.Generator().manual_seed(sp.seed % (2**64))
         self.scheduler.add_request(req)
@@ -178,6 +193,67 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
+    # ------------------------------------------------------------ structured outputs
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler (and mask computer), built at the first constrained request: its
+        tokenizer (~1.3 s for SmolLM2's) is built on its thread, which that request waits for."""
+        if self._grammars is None:
+            cfg = self.config
+            vocab = self.runner.model_config.vocab_size
+
+            def make_tokenizer() -> Any:
+                from sluice.models.tokenizer import load_tokenizer
+
+                return make_ll_tokenizer(load_tokenizer(self.source).hf, self.eos_token_ids, vocab)
+
+            self._grammars = GrammarCompiler(make_tokenizer, max_entries=cfg.structured_cache_size,
+                                             max_bytes=cfg.structured_cache_memory, clock=self.scheduler.clock)  # fmt: skip
+        return self._grammars
+
+    def _start_grammars(self) -> list[EngineOutput]:
+        """Waiting requests whose grammar compiled: ready to be scheduled; those whose compile failed or
+        ran past ``structured_compile_timeout``: ended with the error (NOTE(grammar-wait) in the scheduler)."""
+        if not self._compiling:
+            return []
+        outputs = []
+        now = self.scheduler.clock()
+        for rid, req in list(self._compiling.items()):
+            g = req.grammar
+            assert g is not None
+            if rid not in self.scheduler.requests:  # aborted meanwhile
+                del self._compiling[rid]
+                continue
+            entry = self.grammars.entry(g.key)
+            if entry is None and now - g.started <= self.config.structured_compile_timeout:
+                continue
+            del self._compiling[rid]
+            if entry is not None and entry.matcher is not None:
+                g.start(entry.matcher, req.output_token_ids)
+                self._jump_start(req)
+                continue
+            error = (f"compiling it took over {self.config.structured_compile_timeout:g}s (structured_compile_timeout)"
+                     if entry is None else entry.error)  # fmt: skip
+            self.grammars.counters.num_compile_errors += 1
+            (out,) = self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            out.error = EngineError.from_exception(
+                InvalidRequestError(f"invalid structured output constraint: {error}", param="structured_outputs"))
+            outputs.append(out)
+        return outputs
+
+    def _jump_start(self, req: Request) -> None:
+        """Tokens the grammar forces before anything is sampled: output tokens, prefilled with the prompt
+        (NOTE(jump-forward) in the scheduler); at least one token is left to sample."""
+        g = req.grammar
+        if g is None or not g.jump_forward:
+            return
+        forced = g.forced()[: max(0, req.sampling.max_tokens - 1 - req.num_output_tokens)]
+        if forced:
+            g.accept_forced(forced)
+            req.token_ids.extend(forced)
+            self.scheduler.num_jump_forward_tokens += len(forced)
+
     # ------------------------------------------------------------ the step
 
     def set_arrivals(
@@ -197,6 +273,7 @@ class EngineCore:
         self._pending_aborts.clear()
         self.lora.poll()  # NOTE(lora-loads) in lora_manager: install finished loads, start queued ones
         outputs += self._fail_lora_waiters()
+        outputs += self._start_grammars()
         target = self.scheduler.tightest_ttft_target()  # NOTE(target-memory): one look a step
         self.scheduler.row_cap = self._row_cap(target)
         budget = self._token_budget(target)
@@ -220,6 +297,8 @@ class EngineCore:
             self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
             self.lora.wait_any(0.005)  # only adapter loads to wait for: sleep on them instead of spinning
+        elif self._compiling:
+            self.grammars.wait_any(0.005)  # only grammars compiling: the same
         self._release_finished(outputs)
         return outputs
 
@@ -474,6 +553,7 @@ class EngineCore:
 
     def _sampling_rows(self, sched: SchedulerOutput) -> list[SamplingRow]:
         rows = []
+        constrained: list[tuple[SamplingRow, GrammarState]] = []
         for s in sched.scheduled:
             if not s.samples:
                 continue
@@ -481,9 +561,15 @@ class EngineCore:
             banned: list[int] = []
             if req.num_output_tokens < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.eos_token_ids))
-            rows.append(
-                SamplingRow(sp, req.token_ids, req.num_prompt_tokens, self.generators.get(req.request_id), banned)
-            )
+            row = SamplingRow(sp, req.token_ids, req.num_prompt_tokens, self.generators.get(req.request_id), banned)
+            rows.append(row)
+            if req.grammar is not None:
+                req.grammar.sync(req.output_token_ids)  # a no-op unless its state and its tokens differ
+                constrained.append((row, req.grammar))
+        if constrained:  # NOTE(mask-overlap) in structured: computed while the model runs
+            masks = self.grammars.start_masks([g for _, g in constrained], self.runner.model_config.vocab_size)
+            for j, (row, _) in enumerate(constrained):
+                row.allowed = functools.partial(masks.row, j)
         return rows
 
     # ------------------------------------------------------------ KV tiers
@@ -500,6 +586,8 @@ class EngineCore:
             self.kv_tiers.close(checkpoint=checkpoint)
             self.kv_tiers = None
             self.scheduler.kv_tiers = None
+        if self._grammars is not None:
+            self._grammars.close()
 
     # ------------------------------------------------------------ stats
 
@@ -560,6 +648,29 @@ class EngineCore:
             num_cached_blocks=len(bm.block_by_hash),
             num_loading=len(sch.loading),
             kv_tiers=[self.kv_tiers.make_stats()] if self.kv_tiers is not None else [],
+            **self._structured_stats(),
+        )
+
+    def _structured_stats(self) -> dict[str, Any]:
+        if self._grammars is None:
+            return {}
+        c, sch = self._grammars.counters, self.scheduler
+        return dict(
+            structured_requests=c.num_requests,
+            structured_waiting_for_compile=len(self._compiling),
+            structured_compiles=c.num_compiles,
+            structured_compile_errors=c.num_compile_errors,
+            structured_cache_hits=c.num_cache_hits,
+            structured_compile_seconds=c.compile_seconds,
+            structured_compile_buckets=list(c.compile_buckets),
+            structured_cache_entries=self._grammars.num_entries,
+            structured_cache_bytes=self._grammars.num_bytes,
+            structured_mask_steps=c.num_mask_steps,
+            structured_mask_seconds=c.mask_seconds,
+            structured_mask_wait_seconds=c.mask_wait_seconds,
+            structured_mask_buckets=list(c.mask_buckets),
+            structured_tokens=sch.num_structured_tokens,
+            jump_forward_tokens=sch.num_jump_forward_tokens,
         )
 
 

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STEP_KINDS",
+    "STRUCTURED_COMPILE_BUCKETS",
+    "STRUCTURED_MASK_BUCKETS",
     "StructuredOutputs",
     "SamplingParams",
     "EngineRequest",
@@ -245,6 +247,8 @@ class KVTierStats(msgspec.Struct, kw_only=True):
     num_corrupt: int = 0  # files or blocks found truncated, corrupt or foreign, and removed
 
 
+STRUCTURED_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STRUCTURED_MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 STEP_KINDS = ("normal", "express", "nested")  # a step's kind: EngineStats.*_by_kind index them in this order
 
 
@@ -294,6 +298,24 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_cached_blocks: int = 0  # blocks of the in-memory cache that hold a prefix (a key)
     num_loading: int = 0  # requests waiting for KV blocks from a tier
     kv_tiers: list[KVTierStats] = msgspec.field(default_factory=list)
+    # structured outputs (docs/structured_outputs.md); counters cumulative.  The histograms are counts per
+    # bucket of STRUCTURED_COMPILE_BUCKETS / STRUCTURED_MASK_BUCKETS (seconds), the last past the last bound,
+    # so the lanes of one server add up (their sums and counts too)
+    structured_requests: int = 0  # constrained requests added
+    structured_waiting_for_compile: int = 0  # requests waiting for their grammar now
+    structured_compiles: int = 0  # grammars compiled (cache misses), failed ones too
+    structured_compile_errors: int = 0  # requests ended by a grammar error or a compile timeout
+    structured_cache_hits: int = 0  # constrained requests whose grammar was cached (or being compiled)
+    structured_compile_seconds: float = 0.0  # sum of compile times
+    structured_compile_buckets: list[int] = msgspec.field(default_factory=list)
+    structured_cache_entries: int = 0  # grammars held now
+    structured_cache_bytes: int = 0  # their estimated size (NOTE(grammar-bytes) in sluice.engine.structured)
+    structured_mask_steps: int = 0  # steps that computed token masks
+    structured_mask_seconds: float = 0.0  # sum of those steps' mask time (computed while the model ran)
+    structured_mask_wait_seconds: float = 0.0  # ... of it the sampler waited for (not hidden by the forward)
+    structured_mask_buckets: list[int] = msgspec.field(default_factory=list)  # per step
+    structured_tokens: int = 0  # output tokens of constrained requests (sampled and jump-forward)
+    jump_forward_tokens: int = 0  # of them appended by jump-forward, without a decode step each
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):

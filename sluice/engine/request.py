@@ -11,9 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from sluice.engine.protocol import EngineRequest, RequestTimings, SamplingParams
+from sluice.engine.protocol import EngineError, EngineRequest, RequestTimings, SamplingParams
 from sluice.types import Priority
+
+if TYPE_CHECKING:
+    from sluice.engine.structured import GrammarState
 
 __all__ = ["Request", "RequestStatus"]
 
@@ -71,6 +75,11 @@ class Request:
         self.stop_token_id: int | None = None
         self.timings = RequestTimings(arrival=arrival_time if arrival_time else time.monotonic())
         self.num_emitted = 0  # output tokens already published
+        self.grammar: GrammarState | None = None  # its constraint (SamplingParams.structured), once added
+        # NOTE(jump-forward): tokens the grammar forced after the last sampled one, appended to token_ids
+        # without a decode step each; the next step computes them with that token, as one chunk
+        self.num_forced_tokens = 0
+        self.error: EngineError | None = None  # why it was ended, when the engine ended it (its grammar failed)
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, clock: Callable[[], float] = time.monotonic) -> Request:
@@ -101,8 +110,13 @@ class Request:
 
     @property
     def is_prefill_done(self) -> bool:
-        # NOTE(decode): a request decodes when only its newest token lacks K/V.
-        return self.num_computed_tokens >= self.num_tokens - 1
+        # NOTE(decode): a request decodes when only its newest token lacks K/V (and the tokens
+        # jump-forward appended after it: they are computed in its next decode step).
+        return self.num_computed_tokens >= self.num_tokens - 1 - self.num_forced_tokens
+
+    @property
+    def is_waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.is_ready
 
     def __repr__(self) -> str:
         return (

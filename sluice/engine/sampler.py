@@ -1,9 +1,16 @@
 """Token sampling for a batch of rows, each with its own ``SamplingParams``.
 
 Order of logit processing (per row): repetition / frequency / presence
-penalties -> min_tokens masking of EOS and stop ids -> logprobs (of the
-penalised distribution, before temperature) -> greedy argmax, or temperature
--> top-k -> top-p -> min-p -> draw.
+penalties -> min_tokens masking of EOS and stop ids -> the grammar's token
+mask (structured outputs) -> logprobs (of the penalised, masked distribution,
+before temperature) -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> draw.
+
+NOTE(grammar-mask): a constrained row's disallowed tokens get -inf before
+anything reads the logits, so every sampling mode draws from the masked
+distribution and its logprobs are that distribution's (alternatives the
+grammar forbids are not listed).  Where the grammar allows nothing but EOS
+or a stop id that min_tokens bans, the grammar wins: it would allow nothing.
 
 NOTE(seed): a row with a seed draws from its own ``torch.Generator`` (seeded once
 per request), so its output does not depend on what else is in the batch.
@@ -12,6 +19,7 @@ Rows without a seed share the engine's generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +38,7 @@ class SamplingRow:
     num_prompt_tokens: int
     generator: torch.Generator | None  # per-request, when seeded
     banned: list[int]  # token ids masked this step (EOS / stop ids under min_tokens)
+    allowed: Callable[[], torch.Tensor] | None = None  # the grammar's mask: (vocab,) bool, True = allowed (waits for it)
 
 
 def _argmax_kernel() -> Any:
@@ -55,7 +64,14 @@ class Sampler:
         n = logits.shape[0]
         logits = self._penalties(logits, rows)
         for i, r in enumerate(rows):
-            if r.banned:
+            if r.allowed is not None:  # NOTE(grammar-mask)
+                allowed = r.allowed()
+                if r.banned:
+                    keep = allowed.clone()
+                    keep[r.banned] = False
+                    allowed = keep if bool(keep.any()) else allowed
+                logits[i].masked_fill_(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+            elif r.banned:
                 logits[i, r.banned] = float("-inf")
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs_all = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
@@ -87,7 +103,7 @@ class Sampler:
                 top: list[tuple[int, float]] = []
                 if k > 0:
                     v, ix = lp.topk(k)
-                    top = list(zip(ix.tolist(), v.tolist()))
+                    top = [(t, x) for t, x in zip(ix.tolist(), v.tolist()) if x != float("-inf")]
                 out_lp[i] = TokenLogprobs(tokens[i], float(lp[tokens[i]]), top)
         return tokens, out_lp
 

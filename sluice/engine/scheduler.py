@@ -62,10 +62,11 @@ from dataclasses import dataclass, field
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import SchedulingPolicy
 from sluice.engine.kv_tiers.connector import KVTierConnector, LoadState
-from sluice.engine.protocol import EngineOutput, TokenLogprobs
+from sluice.engine.protocol import EngineError, EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.request_queue import make_request_queue
 from sluice.engine.sched_signals import TARGET_MEMORY_S, CycleClock, RunningPeaks, TargetMemory
+from sluice.errors import InvalidRequestError
 from sluice.types import Priority
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION", "TARGET_MEMORY_S"]
@@ -84,7 +85,8 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         req = self.request
         self.samples = req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
-        self.is_prefill = not (self.num_new_tokens == 1 and req.is_prefill_done)
+        # a decode computes its newest token, and the ones jump-forward appended after it
+        self.is_prefill = not (req.is_prefill_done and self.num_new_tokens <= 1 + req.num_forced_tokens)
 
 
 @dataclass
@@ -145,6 +147,8 @@ class Scheduler:
         self.kv_tiers = kv_tiers
         self.loading: list[Request] = []  # admitted, waiting for their KV blocks from a tier
         self.num_preemptions = 0
+        self.num_structured_tokens = 0  # output tokens of constrained requests (sampled and forced)
+        self.num_jump_forward_tokens = 0  # ... of them appended by jump-forward (NOTE(jump-forward))
         self._targets = TargetMemory()  # NOTE(target-memory)
         self._peaks = RunningPeaks(self.clock())  # NOTE(trunk-reservation)
         self._cycle = CycleClock()  # NOTE(behind)
@@ -216,6 +220,7 @@ class Scheduler:
         self.running.remove(victim)
         self.block_manager.free_request(victim)
         victim.num_computed_tokens = 0
+        victim.num_forced_tokens = 0  # recomputed with the rest
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -456,10 +461,19 @@ class Scheduler:
 
     def _waiting_head(self, c: int, step: _Step) -> Request | None:
         """The first waiting request of class ``c`` that can run now; adapter requests that cannot
-        (not in memory yet, or past ``max_loras``) are set aside for this step (NOTE(lora-admission))."""
-        while (req := self.waiting.head(c)) is not None and req.lora_id and not self._can_run_adapter(req, step):
+        (not in memory yet, or past ``max_loras``) are set aside for this step (NOTE(lora-admission)),
+        and so are requests whose grammar is still compiling (NOTE(grammar-wait))."""
+        while (req := self.waiting.head(c)) is not None and not self._can_start(req, step):
             step.passed_over.append(self.waiting.pop_head(c))
         return req
+
+    def _can_start(self, req: Request, step: _Step) -> bool:
+        # NOTE(grammar-wait): a request whose grammar compiles (off the step loop, in the engine's
+        # GrammarCompiler) waits as a request for an adapter load does: it keeps its place in its
+        # class, holds no slot and no blocks, and the requests behind it go on.
+        if req.is_waiting_for_grammar:
+            return False
+        return not req.lora_id or self._can_run_adapter(req, step)
 
     def _can_run_adapter(self, req: Request, step: _Step) -> bool:
         if self.adapter_ready is not None and not self.adapter_ready(req):
@@ -558,13 +572,67 @@ class Scheduler:
             tok, lp = sampled_token_ids[i], logprobs[i]
             i += 1
             req.token_ids.append(tok)
+            req.num_forced_tokens = 0
             if req.timings.first_token is None:
                 req.timings.first_token = now
             status = self._check_stop(req, tok)
+            if status is None and req.grammar is not None:
+                status = self._advance_grammar(req, tok)
             if status is not None:
                 self._finish(req, status, now)
-            outputs.append(self._make_output(req, [tok], [lp] if lp is not None else None))
+            outputs.append(self._emit(req, tok, lp))
         return outputs
+
+    def _advance_grammar(self, req: Request, tok: int) -> RequestStatus | None:
+        """Feed a sampled token to the request's grammar; append what it forces next (jump-forward).
+
+        NOTE(jump-forward): where the grammar admits exactly one continuation (``{"name": "`` of a
+        schema), its tokens, as llguidance tokenizes them canonically, are appended at once, up to
+        ``max_tokens``: they are output tokens, published with the sampled one, and the next step
+        computes them with it as one chunk of several query tokens instead of a decode step each.
+        With jump-forward off, the mask allows only the first of those tokens each step, so the
+        tokens are the same either way; jump-forward saves the steps (docs/structured_outputs.md).
+        """
+        g = req.grammar
+        assert g is not None
+        if not g.accept(tok):
+            req.error = _grammar_error(f"the grammar refused token {tok}: {g.error or 'no reason given'}")
+            return RequestStatus.FINISHED_ABORTED
+        if g.is_done:  # complete: nothing but EOS may follow
+            return RequestStatus.FINISHED_STOPPED
+        if not g.jump_forward:
+            return None
+        sp = req.sampling
+        room = sp.max_tokens - req.num_output_tokens
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - req.num_tokens)
+        forced = g.forced()[: max(0, room)]
+        if forced:
+            g.accept_forced(forced)
+            req.token_ids.extend(forced)
+            req.num_forced_tokens = len(forced)
+            self.num_jump_forward_tokens += len(forced)
+            if g.is_done:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or (self.max_model_len is not None and req.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> EngineOutput:
+        """The output of a sampled token ``tok``: with the tokens jump-forward put before and after it."""
+        start = req.num_prompt_tokens + req.num_emitted
+        new = req.token_ids[start:]
+        req.num_emitted = req.num_output_tokens
+        if req.grammar is not None:
+            self.num_structured_tokens += len(new)
+        if len(new) == 1:
+            return self._make_output(req, new, [lp] if lp is not None else None)
+        lps = None
+        if lp is not None:  # a forced token is the only one its masked distribution allows: logprob 0
+            at = len(new) - 1 - req.num_forced_tokens  # the sampled token, before the forced ones after it
+            k = req.sampling.logprobs or 0
+            lps = [lp if j == at else TokenLogprobs(t, 0.0, [(t, 0.0)] if k > 0 else []) for j, t in enumerate(new)]
+        return self._make_output(req, new, lps)
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling
@@ -590,6 +658,8 @@ class Scheduler:
             num_generated_tokens=req.num_output_tokens,
             num_preemptions=req.num_preemptions,
         )
+        if req.error is not None:
+            out.error = req.error
         if req.status.is_finished:
             out.finished = True
             out.finish_reason = req.status.finish_reason
@@ -598,3 +668,7 @@ class Scheduler:
         elif new_token_ids and req.num_output_tokens == 1:
             out.timings = req.timings  # the first token: stage timings so far
         return out
+
+
+def _grammar_error(message: str) -> EngineError:
+    return EngineError.from_exception(InvalidRequestError(message, param="structured_outputs"))
