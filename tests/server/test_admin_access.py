@@ -297,3 +297,21 @@ def test_doctor_warns_when_serve_would_listen_beyond_loopback_without_keys(
     assert bool(warnings) is warns, (report, warnings)
     if warns:
         assert "0.0.0.0" in warnings[0].problem and "--api-key" in warnings[0].fix
+
+
+def test_deploy_files_give_every_process_an_admin_key_from_a_secret() -> None:
+    import yaml
+
+    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    compose = yaml.safe_load((deploy / "compose.yaml").read_text())
+    for name in ("replica-1", "replica-2", "gateway"):
+        env = compose["services"][name]["environment"]
+        assert env["SLUICE_ADMIN_KEY"] == "${SLUICE_ADMIN_KEY:-}", f"{name}: the key comes from deploy/.env"
+    assert ".env" in (deploy / ".gitignore").read_text().split(), "the compose secret is never committed"
+    pods = [d["spec"]["template"]["spec"] for p in ("server.yaml", "gateway.yaml")
+            for d in yaml.safe_load_all((deploy / "k8s" / p).read_text()) if d and d["kind"] == "Deployment"]  # fmt: skip
+    assert len(pods) == 2
+    for pod in pods:
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        ref = env["SLUICE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "sluice-admin" and ref["key"] == "admin-key", ref
