@@ -6,6 +6,10 @@ per choice (``<request id>-<choice index>``), all feeding one
 outputs, the ``Delta`` of each choice that moved: new text (incrementally
 detokenized, stop strings removed), its logprobs and, at the end, the finish
 reason.  A stop string ends a choice here and aborts its engine request.
+A choice of a request with tools reads its text through a ``ToolCallParser``:
+the delta carries the content and the call deltas, a call that repeats an
+earlier one ends the choice like a stop string (NOTE(repeated-call) in
+``sluice.server.tools``), and an answer with calls finishes ``tool_calls``.
 
 Cleanup is in one place (``close``): whatever way the generation ends
 (finished, error, client gone), unfinished engine requests are aborted so
@@ -23,6 +27,7 @@ from sluice.engine.stop import Detokenizer, apply_output
 from sluice.errors import SluiceError
 from sluice.server.engine_client import RequestStream, engine_error
 from sluice.server.lanes import AnyClient
+from sluice.server.tools import CallDelta, ToolCallParser
 
 __all__ = ["Choice", "Delta", "Generation"]
 
@@ -39,6 +44,7 @@ class Choice:
     finish_reason: str | None = None
     timings: RequestTimings | None = None
     first_token_at: float | None = None  # monotonic, API side
+    tools: ToolCallParser | None = None  # the answer may hold tool calls
 
     @property
     def is_done(self) -> bool:
@@ -51,6 +57,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    calls: list[CallDelta] = field(default_factory=list)  # tool-call deltas (the text is then content only)
 
 
 class Generation:
@@ -119,6 +126,17 @@ class Generation:
         text, reason = delta.text, delta.finish_reason
         if delta.needs_abort:
             self.client.abort([c.request_id])
+        calls: list[CallDelta] = []
+        if c.tools is not None:
+            text, calls = c.tools.feed(text)
+            if c.tools.is_done and reason is None:  # NOTE(repeated-call) in sluice.server.tools
+                self.client.abort([c.request_id])
+                reason = "stop"
+            if reason is not None:
+                rest, more = c.tools.finish()
+                text, calls = text + rest, calls + more
+                if c.tools.num_calls and reason == "stop":
+                    reason = "tool_calls"  # max_tokens still says 'length'
         lps = o.logprobs
         if self.keep_text:
             c.text.append(text)
@@ -134,12 +152,12 @@ class Generation:
                 c.timings.first_token = c.first_token_at
             self._num_done += 1
             self._on_choice_done(c)
-        elif not text and not lps and not is_first:
+        elif not text and not lps and not calls and not is_first:
             # NOTE(first-token-delta): the first token always makes a delta, even with no text
             # (a skipped special token, text held back for a stop string or an incomplete
             # UTF-8 sequence): a stream's first chunk marks its TTFT, not the first visible text.
             return None
-        return Delta(c, text, lps, reason)
+        return Delta(c, text, lps, reason, calls)
 
     def is_stalled(self, now: float) -> bool:
         """Started, unfinished, and no output for longer than ``stall_limit`` (NOTE(stalled))."""

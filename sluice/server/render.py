@@ -3,9 +3,9 @@
 Plain dicts encoded with msgspec (the streaming path runs once per token per
 client, so it builds no pydantic objects).  ``Renderer`` is the one interface;
 ``CompletionRenderer`` and ``ChatRenderer`` are its two shapes.  A chat answer
-to a request with tools goes through a ``ToolCallParser`` per choice: calls
-become ``message.tool_calls`` (streamed as OpenAI's deltas: the id and name
-first, then fragments of the arguments) and ``finish_reason: tool_calls``.
+to a request with tools has its calls (read by the choice's ``ToolCallParser``
+in ``sluice.server.generation``) in ``message.tool_calls``, streamed as
+OpenAI's deltas: the id and name first, then fragments of the arguments.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import msgspec
 
 from sluice.engine.protocol import TokenLogprobs
 from sluice.server.generation import Choice, Delta
-from sluice.server.tools import ToolCallParser, parse_tool_calls
 
 __all__ = ["Renderer", "CompletionRenderer", "ChatRenderer", "sse_event", "SSE_DONE"]
 
@@ -111,10 +110,9 @@ class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, is_tool_parsing: bool = False, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._role_sent: set[int] = set()
-        self._parsers: dict[int, ToolCallParser] | None = {} if is_tool_parsing else None  # choice index -> parser
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
@@ -133,18 +131,14 @@ class ChatRenderer(Renderer):
     def full_choice(self, c: Choice) -> dict[str, Any]:
         text = "".join(c.text)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        reason = c.finish_reason
-        if self._parsers is not None:
-            parsed = parse_tool_calls(text)
-            if parsed.calls:
-                message["content"] = parsed.content if parsed.content.strip() else None
-                message["tool_calls"] = parsed.calls
-                reason = _tool_reason(reason)
+        if c.tools is not None and c.tools.calls:
+            message["content"] = text if text.strip() else None
+            message["tool_calls"] = c.tools.calls
         return {
             "index": c.index,
             "message": message,
             "logprobs": self._logprobs(c.logprobs) if c.logprobs else None,
-            "finish_reason": reason,
+            "finish_reason": c.finish_reason,
         }
 
     def chunk_choice(self, d: Delta) -> dict[str, Any]:
@@ -153,27 +147,13 @@ class ChatRenderer(Renderer):
         if i not in self._role_sent:
             self._role_sent.add(i)
             delta["role"] = "assistant"
-        text, reason = d.text, d.finish_reason
-        if self._parsers is not None:
-            p = self._parsers.setdefault(i, ToolCallParser())
-            text, calls = p.feed(text)
-            if reason is not None:
-                rest, more = p.finish()
-                text, calls = text + rest, calls + more
-                if p.num_calls:
-                    reason = _tool_reason(reason)
-            if calls:
-                delta["tool_calls"] = [c.to_openai() for c in calls]
-        if text or "role" in delta:
-            delta["content"] = text
+        if d.text or "role" in delta:
+            delta["content"] = d.text
+        if d.calls:
+            delta["tool_calls"] = [c.to_openai() for c in d.calls]
         return {
             "index": i,
             "delta": delta,
             "logprobs": self._logprobs(d.logprobs),
-            "finish_reason": reason,
+            "finish_reason": d.finish_reason,
         }
-
-
-def _tool_reason(reason: str | None) -> str | None:
-    """An answer that ended on its own after calls finished 'tool_calls' (max_tokens still says 'length')."""
-    return "tool_calls" if reason == "stop" else reason

@@ -43,6 +43,7 @@ from sluice.server.render import SSE_DONE, ChatRenderer, CompletionRenderer, Ren
 from sluice.server.structured import GrammarValidator, build_structured
 from sluice.server.telemetry import ServerMetrics, record_stages
 from sluice.server.tools import (
+    ToolCallParser,
     ToolPlan,
     plan_tools,
     template_is_native,
@@ -282,7 +283,7 @@ class OpenAIServing:
                     )
                 )
                 det = self.codec.detokenizer(list(sp.stop), sp.skip_special_tokens, prompt)
-                choices.append(Choice(index, rid, pi, det))
+                choices.append(Choice(index, rid, pi, det, tools=ToolCallParser() if prep.tool_plan else None))
         self.metrics.prompt_tokens.inc(ctx.prompt_tokens)
         try:
             stream = self.client.add_requests(reqs, lane=decision.lane)
@@ -362,11 +363,9 @@ class OpenAIServing:
     # -- responses -----------------------------------------------------------------
 
     def renderer(self, ctx: RequestContext, prep: Prepared) -> Renderer:
-        model = prep.lora_name or self.served_model_name
-        if prep.kind == "chat":
-            return ChatRenderer("chatcmpl-" + ctx.request_id, model, int(time.time()), self.token_text,
-                                is_tool_parsing=prep.tool_plan is not None)  # fmt: skip
-        return CompletionRenderer("cmpl-" + ctx.request_id, model, int(time.time()), self.token_text)
+        cls = ChatRenderer if prep.kind == "chat" else CompletionRenderer
+        prefix = "chatcmpl-" if prep.kind == "chat" else "cmpl-"
+        return cls(prefix + ctx.request_id, prep.lora_name or self.served_model_name, int(time.time()), self.token_text)
 
     def token_text(self, token_id: int) -> str:
         s = self._token_text_cache.get(token_id)

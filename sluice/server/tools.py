@@ -280,31 +280,44 @@ class ToolCallParser:
     States: ``text`` (content; a tail that could begin ``<tool_call>`` is held back),
     ``head`` (inside a call, before its arguments), ``args`` (argument fragments; the
     tail from the last ``}`` on is held back, since the call's own closing ``}`` is the
-    last one before ``</tool_call>``).
+    last one before ``</tool_call>``), ``done`` (the answer is over: the rest is ignored).
+
+    NOTE(repeated-call): the grammar lets a call be followed by another one or by the
+    end, and a model with no tool training (SmolLM2) goes on repeating its call until
+    max_tokens.  A call identical to an earlier one (same name, same arguments) ends the
+    answer: it is dropped, ``is_done`` turns True and the generation stops it (finish
+    reason ``tool_calls``).  So that a dropped call was never shown, the first call
+    streams its arguments in fragments and each later call comes whole once it closes.
     """
 
     def __init__(self) -> None:
         self.state = "text"
         self.buf = ""
         self.calls: list[dict[str, Any]] = []  # complete and started calls, OpenAI shape
-        self.content: list[str] = []
         self.is_broken = False  # a call's head did not parse (unconstrained output): the rest is content
+        self._is_held = False  # the current call is shown only once it closes (NOTE(repeated-call))
 
     @property
     def num_calls(self) -> int:
         return len(self.calls)
 
+    @property
+    def is_done(self) -> bool:
+        return self.state == "done"
+
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """Content to show and call deltas, for the next piece of the answer."""
+        if self.state == "done":
+            return "", []
         self.buf += text
         out_text: list[str] = []
         deltas: list[CallDelta] = []
         while True:
-            if self.state == "text" or self.is_broken:
-                if self.is_broken:
-                    out_text.append(self.buf)
-                    self.buf = ""
-                    break
+            if self.is_broken:
+                out_text.append(self.buf)
+                self.buf = ""
+                break
+            if self.state == "text":
                 i = self.buf.find(CALL_OPEN)
                 if i == -1 and self.calls and CALL_OPEN.startswith(self.buf.lstrip()):
                     break  # blanks between calls are not content
@@ -327,11 +340,13 @@ class ToolCallParser:
                         continue
                     break
                 call_id, name = new_call_id(), str(json.loads(f'"{m.group(1)}"'))
+                self._is_held = bool(self.calls)
                 self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}})
-                deltas.append(CallDelta(len(self.calls) - 1, call_id, name))
+                if not self._is_held:
+                    deltas.append(CallDelta(len(self.calls) - 1, call_id, name))
                 self.buf = self.buf[m.end() :]
                 self.state = "args"
-            else:  # args
+            elif self.state == "args":
                 fn = self.calls[-1]["function"]
                 j = self.buf.find(CALL_CLOSE)
                 if j == -1:
@@ -346,13 +361,33 @@ class ToolCallParser:
                 self._args(fn, tail, deltas)
                 self.buf = self.buf[j + len(CALL_CLOSE) :].lstrip()
                 self.state = "text"
+                if self._is_held:
+                    self._release(deltas)
+            else:  # done
+                self.buf = ""
+                break
         return "".join(out_text), deltas
 
     def _args(self, fn: dict[str, Any], piece: str, deltas: list[CallDelta]) -> None:
         if not piece:
             return
         fn["arguments"] += piece
-        deltas.append(CallDelta(len(self.calls) - 1, arguments=piece))
+        if not self._is_held:
+            deltas.append(CallDelta(len(self.calls) - 1, arguments=piece))
+
+    def _release(self, deltas: list[CallDelta]) -> None:
+        """A held call closed: show it whole, or end the answer if it repeats one (NOTE(repeated-call))."""
+        self._is_held = False
+        call = self.calls[-1]
+        fn = call["function"]
+        if any(c["function"] == fn for c in self.calls[:-1]):
+            self.calls.pop()
+            self.state, self.buf = "done", ""
+            return
+        i = len(self.calls) - 1
+        deltas.append(CallDelta(i, call["id"], fn["name"]))
+        if fn["arguments"]:
+            deltas.append(CallDelta(i, arguments=fn["arguments"]))
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """What was held back, at the end of the answer."""
@@ -361,8 +396,14 @@ class ToolCallParser:
             text, self.buf = self.buf, ""
             if self.calls and not text.strip():
                 text = ""
-        elif self.state == "args" and self.buf:  # cut off (max_tokens): the arguments as they stand
-            self._args(self.calls[-1]["function"], self.buf, deltas)
+        elif self.state == "args":  # cut off (max_tokens): the arguments as they stand
+            if self.buf:
+                self._args(self.calls[-1]["function"], self.buf, deltas)
+            if self._is_held:
+                self._is_held = False
+                call = self.calls[-1]
+                deltas.append(CallDelta(len(self.calls) - 1, call["id"], call["function"]["name"],
+                                        call["function"]["arguments"]))  # fmt: skip
             self.buf = ""
         elif self.state == "head":  # cut off before a name: show it as text
             text, self.buf = CALL_OPEN + self.buf, ""

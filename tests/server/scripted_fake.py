@@ -3,13 +3,14 @@
 ``FakeEngineCore`` (sluice.server.testing) with two rules on top, so API tests
 can drive exact answers through the real server without a model:
 
-- a prompt holding ``SAY<<text>>`` is answered with ``text`` (bytes of the fake
+- a prompt holding ``SAY<<text>>SAY`` is answered with ``text`` (bytes of the fake
   codec), then EOS (finish_reason 'stop');
 - a prompt holding ``ECHO_CONSTRAINT`` is answered with the engine request's
   ``sampling.structured`` as JSON (``null`` when unconstrained): what reached the engine;
-- a prompt holding ``ECHO_PROMPT`` is answered with the prompt itself (the rendered chat).
+- a prompt holding ``ECHO_PROMPT`` is answered with the prompt itself (the rendered chat),
+  each ``<`` written ``&lt;`` (so tags in it are not taken for the answer's own tool calls).
 
-The last ``SAY<<...>>`` of the prompt counts (a history may hold earlier ones).
+The last ``SAY<<...>>SAY`` of the prompt counts (a history may hold earlier ones).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import msgspec
 from sluice.engine.protocol import EngineRequest
 from sluice.server.testing import EOS, FakeEngineCore, _Req
 
-_SAY = re.compile(rb"SAY<<(.*?)>>", re.S)
+_SAY = re.compile(rb"SAY<<(.*?)>>SAY", re.S)
 
 
 class ScriptedEngineCore(FakeEngineCore):
@@ -34,7 +35,7 @@ class ScriptedEngineCore(FakeEngineCore):
         if b"ECHO_CONSTRAINT" in prompt:
             script = msgspec.json.encode(r.req.sampling.structured)
         elif b"ECHO_PROMPT" in prompt:
-            script = prompt
+            script = prompt.replace(b"<", b"&lt;")
         else:
             said = _SAY.findall(prompt)
             if not said:

@@ -106,7 +106,7 @@ class Weather(BaseModel):
 
 def test_openai_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     answer = json.dumps({"city": "Paris", "temp": 21})
-    r = client.chat.completions.parse(model="fake", messages=[{"role": "user", "content": f"SAY<<{answer}>>"}],
+    r = client.chat.completions.parse(model="fake", messages=[{"role": "user", "content": f"SAY<<{answer}>>SAY"}],
                                       response_format=Weather, max_tokens=200)  # fmt: skip
     assert r.choices[0].message.parsed == Weather(city="Paris", temp=21)
     assert r.choices[0].finish_reason == "stop"
