@@ -3,6 +3,8 @@
     locust -f sluice/bench/locustfile.py --host http://127.0.0.1:8000 --headless \\
         -u 50 -r 10 -t 2m --bench-output-len normal:128,32 --bench-priority-mix p0=0.2,p1=0.8
 
+The model is the server's (the first of ``GET /v1/models``) unless ``--bench-model`` names one.
+
 Every request is a streamed chat (or completions) call built by
 ``sluice.bench.workload`` (same flags and seeds as ``sluice bench run``).
 Besides locust's own row for the POST (time to response headers), each request
@@ -24,6 +26,7 @@ from typing import Any
 import msgspec
 from locust import HttpUser, events, task
 from locust.env import Environment
+from locust.exception import StopUser
 
 from sluice.bench.client import build_body, decode_chunk, error_text
 from sluice.bench.sse import SSEDecoder
@@ -40,7 +43,8 @@ from sluice.bench.workload import (  # fmt: skip
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser: Any) -> None:
     g = parser.add_argument_group("sluice bench workload")
-    g.add_argument("--bench-model", default="default", help="model name sent in every request")
+    g.add_argument("--bench-model", default=None, help="model name sent in every request (default: the first of "
+                   "GET /v1/models, as sluice bench)")  # fmt: skip
     g.add_argument("--bench-api", default="chat", choices=["chat", "completions"])
     g.add_argument("--bench-input-len", default="128", help="as sluice bench --input-len")
     g.add_argument("--bench-output-len", default="64", help="as sluice bench --output-len")
@@ -71,12 +75,23 @@ class LLMUser(HttpUser):
     def on_start(self) -> None:
         opts = self.environment.parsed_options
         self.workload = workload_from_options(opts)
+        if opts.bench_model is None:  # once per run: the first user to start asks, the others reuse it
+            opts.bench_model = self._served_model()
         self.model = opts.bench_model
         # NOTE(seeds): user k (in spawn order) replays seed + k, so a locust run is
         # as reproducible as locust's own spawn order.
         runner = self.environment.runner
         index = runner.user_count if runner is not None else 0
         self.requests: Iterator[RequestSpec] = generate_requests(self.workload, opts.bench_seed + index)
+
+    def _served_model(self) -> str:
+        """The first model of ``GET /v1/models``, as ``sluice bench`` (``session.resolve_model``) picks it."""
+        with self.client.get("/v1/models", name="/v1/models", catch_response=True) as resp:
+            try:
+                return str(resp.json()["data"][0]["id"])
+            except (ValueError, KeyError, IndexError, TypeError):
+                resp.failure(f"cannot list models: HTTP {resp.status_code}")
+                raise StopUser() from None
 
     @task
     def stream(self) -> None:

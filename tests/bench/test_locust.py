@@ -19,7 +19,7 @@ LOCUSTFILE = Path(sluice.bench.__file__).parent / "locustfile.py"
 def test_locustfile_reports_ttft_through_locust_events(fake_server, tmp_path):
     if shutil.which("locust") is None and not (Path(sys.executable).parent / "locust").exists():
         pytest.skip("locust is not installed (dev extra)")
-    srv = fake_server(ttft_ms=60, tokens_per_s=200, error_rate=0.1)
+    srv = fake_server(ttft_ms=60, tokens_per_s=200, error_rate=0.1, model="served-model")
     locust = str(Path(sys.executable).parent / "locust")
     out = subprocess.run(
         [locust, "-f", str(LOCUSTFILE), "--host", srv.url, "--headless", "-u", "3", "-r", "3",
@@ -37,3 +37,5 @@ def test_locustfile_reports_ttft_through_locust_events(fake_server, tmp_path):
     post = rows["POST"]
     assert int(post["Failure Count"]) >= 1, "the fake's HTTP 500s are locust failures"
     assert "Traceback" not in out.stderr
+    models = {b.get("model") for b in srv.server.bodies}
+    assert models == {"served-model"}, f"no --bench-model: the model GET /v1/models lists, as sluice bench: {models}"
