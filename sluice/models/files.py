@@ -23,9 +23,25 @@ __all__ = [
     "load_gguf_state_dict",
     "load_hf_state_dict",
     "load_model_config",
+    "canonical_names",
 ]
 
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF general.architecture (as llama.cpp writes it) -> the HF architecture; "llama" with experts is mixtral
+_GGUF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# NOTE(gguf-moe-norm): llama.cpp renormalises the top-k weights of qwen3moe and mixtral, not of olmoe
+# (files that carry {arch}.expert_weights_norm say so themselves)
+_GGUF_NORM_TOPK = {"qwen3moe": True, "llama": True, "olmoe": False}
 
 
 def gguf_reader(path: Path) -> Any:
@@ -58,34 +74,99 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
             raise ModelLoadError(f"GGUF file {path}: missing metadata key {arch}.{key}")
         return v
 
+    def opt(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
     names = {t.name for t in reader.tensors}
     heads = int(req("attention.head_count"))
     hidden = int(req("embedding_length"))
-    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    layers = int(req("block_count"))
+    rot = opt("rope.dimension_count")
+    head_dim = int(opt("attention.key_length") or (rot if rot and arch != "phi3" else hidden // heads))
+    vocab = opt("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    experts = int(opt("expert_count", 0) or 0)
+    hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else _GGUF_ARCH[arch]
     cfg: dict[str, Any] = {
-        "architectures": [_GGUF_ARCH[arch]],
-        "model_type": arch,
+        "architectures": [hf_arch],
+        "model_type": "mixtral" if hf_arch == "MixtralForCausalLM" else _MODEL_TYPE.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(req("feed_forward_length")),
-        "num_hidden_layers": int(req("block_count")),
+        "intermediate_size": int(opt("feed_forward_length", 0) or 0),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        "num_key_value_heads": int(opt("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(opt("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(opt("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(opt("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "_gguf": True,  # gemma: llama.cpp's converter already added the norms' +1 (ModelConfig.norm_offset)
     }
-    stype = gguf_field(reader, f"{arch}.rope.scaling.type")
+    if rot and int(rot) != head_dim:
+        cfg["partial_rotary_factor"] = int(rot) / head_dim
+    stype = opt("rope.scaling.type")
+    factor = float(opt("rope.scaling.factor", 1.0) or 1.0)
     if stype == "linear":
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    elif stype == "yarn":
+        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": factor,
+                               "original_max_position_embeddings": int(opt("rope.scaling.original_context_length", 0) or cfg["max_position_embeddings"])}  # fmt: skip
+    if arch in ("gemma2", "gemma3"):
+        # NOTE(gguf-gemma-scale): GGUF has no query_pre_attn_scalar; llama.cpp scales by hidden/heads for
+        # the 27B models (46 and 62 layers) and by head_dim otherwise, and so do we
+        big = layers == (46 if arch == "gemma2" else 62)
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        cfg["sliding_window"] = opt("attention.sliding_window")
+        cfg["attn_logit_softcapping"] = opt("attn_logit_softcapping")
+        cfg["final_logit_softcapping"] = opt("final_logit_softcapping")
+        if arch == "gemma3":
+            cfg["sliding_window_pattern"] = int(opt("attention.sliding_window_pattern", 6) or 6)
+            cfg["rope_local_base_freq"] = float(opt("rope.freq_base_swa", 10000.0) or 10000.0)
+    elif opt("attention.sliding_window"):
+        cfg["sliding_window"] = opt("attention.sliding_window")
+    if experts:
+        cfg["num_experts"] = experts
+        cfg["num_experts_per_tok"] = int(req("expert_used_count"))
+        cfg["moe_intermediate_size"] = int(opt("expert_feed_forward_length", 0) or cfg["intermediate_size"])
+        cfg["norm_topk_prob"] = bool(opt("expert_weights_norm", _GGUF_NORM_TOPK.get(arch, False)))
     return cfg
 
 
-def gguf_hf_name(name: str) -> str | None:
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    # (E, rows, cols) stacks of every expert's matrix: "{}" is the expert's index
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+}
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},  # phi3's fused gate_up, as llama.cpp stores it
+    "gemma2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}  # fmt: skip
+_GGUF_ARCH_LAYER_NAMES["gemma3"] = _GGUF_ARCH_LAYER_NAMES["gemma2"]
+
+
+def gguf_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor (``arch``: its general.architecture); expert stacks name ``{}``."""
     table = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -96,20 +177,7 @@ def gguf_hf_name(name: str) -> str | None:
     if not name.startswith("blk."):
         return None
     _, idx, rest = name.split(".", 2)
-    sub = {
-        "attn_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight",
-        "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight",
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-        "attn_output.weight": "self_attn.o_proj.weight",
-        "ffn_gate.weight": "mlp.gate_proj.weight",
-        "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-    }.get(rest)
+    sub = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(rest) or _GGUF_LAYER_NAMES.get(rest)
     return None if sub is None else f"model.layers.{idx}.{sub}"
 
 
@@ -126,9 +194,10 @@ def load_gguf_state_dict(reader: Any, path: Path, cfg: dict[str, Any]) -> dict[s
     from gguf import quants
 
     sd: dict[str, Any] = {}
-    permute = cfg["model_type"] in ("llama", "mistral")
+    permute = cfg["model_type"] in ("llama", "mistral", "mixtral")
+    arch = gguf_field(reader, "general.architecture", "llama")
     for t in reader.tensors:
-        hf = gguf_hf_name(t.name)
+        hf = gguf_hf_name(t.name, arch)
         if hf is None:
             continue
         try:
@@ -140,7 +209,10 @@ def load_gguf_state_dict(reader: Any, path: Path, cfg: dict[str, Any]) -> dict[s
             arr = unpermute(arr, cfg["num_attention_heads"])
         elif permute and hf.endswith("k_proj.weight"):
             arr = unpermute(arr, cfg["num_key_value_heads"])
-        sd[hf] = torch.from_numpy(np.ascontiguousarray(arr))
+        if "{}" in hf:  # an expert stack (E, rows, cols): one matrix per expert
+            sd.update({hf.format(e): torch.from_numpy(np.ascontiguousarray(arr[e])) for e in range(arr.shape[0])})
+        else:
+            sd[hf] = torch.from_numpy(np.ascontiguousarray(arr))
     return sd
 
 
@@ -160,7 +232,44 @@ def load_hf_state_dict(folder: Path) -> dict[str, Any]:
             sd.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read weights {f}: {e} (corrupt or truncated?)") from e
-    return sd
+    return canonical_names(sd)
+
+
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_names(sd: dict[str, Any]) -> dict[str, Any]:
+    """HF names as the decoder reads them, whatever the checkpoint's layout:
+
+    - mixtral's ``block_sparse_moe.gate`` / ``experts.N.w1|w3|w2`` -> ``mlp.gate`` / ``experts.N.gate|up|down_proj``;
+    - experts stacked in 3D tensors (``mlp.experts.gate_up_proj`` (E, 2I, H), ``mlp.experts.down_proj`` (E, H, I),
+      as transformers 5 holds them) -> one matrix per expert;
+    - a multimodal gemma3's text decoder (``model.language_model.*``, ``language_model.model.*``) -> ``model.*``.
+    """
+    if not any(("experts" in k or "block_sparse_moe" in k or "language_model" in k) for k in sd):
+        return sd
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        k = k.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+        if k.startswith("language_model.lm_head."):
+            k = k.removeprefix("language_model.")
+        k = k.replace(".block_sparse_moe.", ".mlp.")
+        parts = k.split(".")
+        if len(parts) > 3 and parts[-4] == "experts" and parts[-2] in _MIXTRAL_EXPERT:
+            parts[-2] = _MIXTRAL_EXPERT[parts[-2]]
+            k = ".".join(parts)
+        if k.endswith("mlp.experts.gate_up_proj") and getattr(v, "dim", lambda: 0)() == 3:
+            half = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{k[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = v[e, :half].contiguous()
+                out[f"{k[: -len('gate_up_proj')]}{e}.up_proj.weight"] = v[e, half:].contiguous()
+            continue
+        if k.endswith("mlp.experts.down_proj") and getattr(v, "dim", lambda: 0)() == 3:
+            for e in range(v.shape[0]):
+                out[f"{k[: -len('down_proj')]}{e}.down_proj.weight"] = v[e].contiguous()
+            continue
+        out[k] = v
+    return out
 
 
 def load_model_config(source: ModelSource) -> dict[str, Any]:

@@ -6,9 +6,12 @@ padding between them.  Attention reads and writes the paged KV cache through an
 ``AttentionBackend`` (sluice/engine/attention.py) using the metadata the model
 runner builds (slot mapping, block tables, query start offsets).
 
-Covers Llama 2/3 (llama3 rope scaling), SmolLM/SmolLM2, Mistral and Qwen2
-(q/k/v bias): RMSNorm, rotary embeddings (HF "rotate half" layout), grouped-query
-attention, SwiGLU MLP, optionally tied embeddings.
+Covers every architecture of ``ModelConfig`` (models/config.py): the Llama
+layer (RMSNorm, rotary embeddings in HF's "rotate half" layout, grouped-query
+attention, SwiGLU MLP, optionally tied embeddings) plus the options other
+architectures add: q/k norms, sandwich norms, GeGLU, scaled embeddings,
+soft-capping, sliding-window layers (models/attention.py), partial rotary, and
+mixture-of-experts MLPs (models/moe.py).
 
 Weights are fused at load time: q/k/v into one ``qkv`` matrix and gate/up into
 one ``gate_up`` matrix, so a layer runs 4 GEMMs over the whole batch.  Every
@@ -17,7 +20,9 @@ quantized (GGUF, AWQ/GPTQ, quantized at load) running sluice's int8 kernels.
 
 In float32 on the CPU the elementwise chains (RMSNorm, SiLU x up) run as fused
 C++ ops (sluice/kernels/csrc/ops.cpp) and the residual adds happen inside the
-GEMMs' epilogues; other dtypes and devices use the torch ops.
+GEMMs' epilogues; other dtypes and devices use the torch ops.  The fused
+whole-layer ops compute the plain Llama layer only (``ModelConfig.is_plain``);
+a layer with any other option runs the same linears through the torch sequence.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from torch import nn
 from sluice.kernels import ext
 from sluice.kernels.linear import Linear, make_linear
 from sluice.kernels.qweight import QuantWeight
+from sluice.models import attention as attn_ext
 from sluice.models.config import ModelConfig
+from sluice.models.moe import MoEBlock
 
 __all__ = ["LlamaForCausalLM", "AttentionFn", "LayerDeltas", "WeightValue", "Rope"]
 
@@ -95,15 +102,25 @@ class Ops:
         return F.silu(gate) * up
 
 
+    def act_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        if act == "silu":
+            return self.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # GeGLU (gemma): gelu_pytorch_tanh
+        return F.gelu(gate, approximate="tanh") * up
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, H, D); cos/sin: (T, 1, D) with the halves duplicated (HF layout)
-    half = x.shape[-1] // 2
+    # x: (T, H, D); cos/sin: (T, 1, R) with the halves duplicated (HF layout), R <= D (partial rotary)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, idx: int = 0):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size = cfg.num_heads * d
@@ -112,22 +129,40 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(None)
         self.fused = False  # set by LlamaForCausalLM.prepare()
+        self.plain = cfg.is_plain and not cfg.is_sliding(idx) and not cfg.is_moe(idx)
+        self.act = cfg.hidden_act
+        self.qk_norm = cfg.qk_norm
+        self.clip_qkv = cfg.clip_qkv
+        self.window = cfg.sliding_window if cfg.is_sliding(idx) else None
+        self.local_rope = cfg.is_sliding(idx) and cfg.rope_local_theta is not None
+        self.softcap = cfg.attn_softcap
+        self.scale = cfg.query_scale if cfg.query_scale is not None else d**-0.5
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
         self.input_norm = p(h)
-        self.post_attn_norm = p(h)
+        self.post_attn_norm = p(h)  # HF post_attention_layernorm: before the MLP, or on the attention output (sandwich)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_ffn_norm = p(h)
+            self.post_ffn_norm = p(h)
+        if cfg.qk_norm != "none":
+            qn, kn = (d, d) if cfg.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = p(qn)
+            self.k_norm = p(kn)
         # filled by LlamaForCausalLM.load_weights (their parts depend on the checkpoint)
         self.qkv = Linear(h, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, h)
-        self.gate_up = Linear(h, 2 * cfg.intermediate_size)
-        self.down = Linear(cfg.intermediate_size, h)
+        self.moe: MoEBlock | None = MoEBlock(cfg) if cfg.is_moe(idx) else None
+        if self.moe is None:
+            self.gate_up = Linear(h, 2 * cfg.intermediate_size)
+            self.down = Linear(cfg.intermediate_size, h)
 
     def can_fuse(self) -> bool:
         """float32 on the CPU with every linear behind a C++ op: three C++ calls per layer
         (a float model whose linears are plain BLAS matrices keeps the torch path)."""
-        return self.ops.fused is not None and all(
+        return self.plain and self.ops.fused is not None and all(
             lin.op is not None for lin in (self.qkv, self.o_proj, self.gate_up, self.down)
         )
 
@@ -159,6 +194,8 @@ class DecoderLayer(nn.Module):
                 ).reshape(t, self.q_size)
             self.o_proj.op.forward(attn, x)  # x += attn @ Wo^T
             return k.mlp(x, self.post_attn_norm, self.eps, self.gate_up.op, self.down.op)  # type: ignore[no-any-return]
+        if not self.plain:
+            return self.forward_options(idx, x, rope, attention)
         ops = self.ops
         cos, sin = rope.gathered()
         hs = ops.rms_norm(x, self.input_norm, self.eps)
@@ -172,12 +209,81 @@ class DecoderLayer(nn.Module):
         hs = ops.rms_norm(x, self.post_attn_norm, self.eps)
         return self.down(ops.silu_mul(self.gate_up(hs)), residual=x)
 
+    def forward_options(self, idx: int, x: torch.Tensor, rope: Rope, attention: AttentionFn) -> torch.Tensor:
+        """The layer with its architecture's options (NOTE(arch-options) in models/config.py)."""
+        t, ops = x.shape[0], self.ops
+        cos, sin = (rope.local if self.local_rope and rope.local is not None else rope).gathered()
+        hs = ops.rms_norm(x, self.input_norm, self.eps)
+        qkv = self.qkv(hs)  # (T, q + 2kv)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "all":  # olmoe: over every head at once
+            q, k = ops.rms_norm(q.contiguous(), self.q_norm, self.eps), ops.rms_norm(k.contiguous(), self.k_norm, self.eps)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # qwen3, gemma3: each head's vector
+            q = ops.rms_norm(q.reshape(-1, self.head_dim).contiguous(), self.q_norm, self.eps).view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim).contiguous(), self.k_norm, self.eps).view_as(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.window is None and self.softcap is None:
+            if self.scale != self.head_dim**-0.5:  # the backends scale by head_dim ** -0.5
+                q = q * (self.scale * self.head_dim**0.5)
+            attn = attention(idx, q, k, v)
+        else:
+            attn = attn_ext.attend(attention, idx, q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)
+        attn = attn.reshape(t, self.q_size)
+        if self.sandwich:  # gemma: x += norm(attn @ Wo^T); x += norm(mlp(norm(x)))
+            x = x.add_(ops.rms_norm(self.o_proj(attn), self.post_attn_norm, self.eps))
+            hs = ops.rms_norm(x, self.pre_ffn_norm, self.eps)
+            return x.add_(ops.rms_norm(self.mlp(hs), self.post_ffn_norm, self.eps))
+        x = self.o_proj(attn, residual=x)
+        hs = ops.rms_norm(x, self.post_attn_norm, self.eps)
+        if self.moe is not None:
+            return self.moe(hs, lambda gu: ops.act_mul(gu, self.act), residual=x)
+        return self.down(ops.act_mul(self.gate_up(hs), self.act), residual=x)
+
+    def mlp(self, hs: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(hs, lambda gu: self.ops.act_mul(gu, self.act))
+        return self.down(self.ops.act_mul(self.gate_up(hs), self.act))
+
+
+def rope_tables(
+    cfg: ModelConfig, max_positions: int, device: torch.device | str | None = None, local: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (max_positions, rotary_dim) float32 each
+    inv_freq = torch.tensor(cfg.rope_inv_freq(local), dtype=torch.float32, device=device)
+    pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv_freq)  # (P, R/2)
+    rs = None if local else cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "dynamic":
+        # NOTE(dynamic-rope): transformers rescales the base for the whole sequence once it
+        # outgrows the trained context (so every cached key's rotation would change); here
+        # position p past the context gets the base transformers uses for a sequence of p + 1
+        # tokens, fixed once written: the same rotations inside the trained context, a
+        # rotation per position that never changes beyond it.
+        old = int(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        factor, dim = float(rs["factor"]), cfg.rotary_dim
+        if max_positions > old:
+            p = torch.arange(old, max_positions, dtype=torch.float64)
+            base = cfg.rope_theta * ((factor * (p + 1) / old) - (factor - 1)) ** (dim / (dim - 2))  # (P',)
+            exps = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+            inv = (1.0 / base.unsqueeze(1) ** exps.unsqueeze(0)).float()  # (P', R/2)
+            freqs[old:] = p.float().unsqueeze(1).to(freqs.device) * inv.to(freqs.device)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, R)
+    scale = 1.0 if local else cfg.rope_attention_factor()
+    return emb.cos() * scale, emb.sin() * scale
+
 
 class Rope:
     """Rotary tables and the step's positions; the torch path gathers them once per step."""
 
-    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor):
+    def __init__(
+        self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, local: Rope | None = None
+    ):
         self.positions, self.cos_table, self.sin_table = positions, cos_table, sin_table
+        self.local = local  # gemma3: the sliding layers' own tables
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:  # (T, 1, D) each
@@ -190,8 +296,10 @@ class Rope:
 
 
 class LlamaForCausalLM(nn.Module):
-    rope_cos: torch.Tensor  # (max_positions, head_dim), buffer
+    rope_cos: torch.Tensor  # (max_positions, rotary_dim), buffer
     rope_sin: torch.Tensor
+    rope_local_cos: torch.Tensor | None  # gemma3's sliding layers (their own base), else None
+    rope_local_sin: torch.Tensor | None
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int = 8192):
         super().__init__()
@@ -199,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         # the token embedding doubles as the LM head when the model ties them
         self.embed = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head: Linear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.max_positions = max_positions
@@ -208,12 +316,12 @@ class LlamaForCausalLM(nn.Module):
 
     def build_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the cos/sin tables, e.g. after loading onto a meta-built model."""
-        inv_freq = torch.tensor(self.cfg.rope_inv_freq(), dtype=torch.float32, device=device)
-        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        self.register_buffer("rope_cos", emb.cos().to(self.dtype), persistent=False)
-        self.register_buffer("rope_sin", emb.sin().to(self.dtype), persistent=False)
+        cos, sin = rope_tables(self.cfg, self.max_positions, device)
+        self.register_buffer("rope_cos", cos.to(self.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(self.dtype), persistent=False)
+        local = rope_tables(self.cfg, self.max_positions, device, local=True) if self.cfg.rope_local_theta else None
+        self.register_buffer("rope_local_cos", None if local is None else local[0].to(self.dtype), persistent=False)
+        self.register_buffer("rope_local_sin", None if local is None else local[1].to(self.dtype), persistent=False)
 
     def set_ops(self, ops: Ops) -> None:
         self.ops = ops
@@ -255,7 +363,12 @@ class LlamaForCausalLM(nn.Module):
         between_layers: Callable[[int], object] | None = None,  # called after each layer but the last
     ) -> torch.Tensor:  # (T, hidden), final-normed
         x = self.embed_tokens(input_ids)
-        rope = Rope(positions, self.rope_cos, self.rope_sin)
+        if self.cfg.embed_scale != 1.0:  # gemma: as HF, the scale rounded to the serving dtype first
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        local = None
+        if self.rope_local_cos is not None and self.rope_local_sin is not None:
+            local = Rope(positions, self.rope_local_cos, self.rope_local_sin)
+        rope = Rope(positions, self.rope_cos, self.rope_sin, local)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(i, x, rope, attention, lora)
@@ -266,13 +379,23 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) fp32
         head = self.embed if self.lm_head is None else self.lm_head
-        return head(hidden).float()
+        logits = head(hidden).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as served (packed quantized linears, float norms)."""
+        lin = sum(m.nbytes for m in self.linears().values())
+        return lin + sum(p.numel() * p.element_size() for p in self.parameters())
 
     def load_hf_state_dict(self, sd: dict[str, WeightValue]) -> None:
-        """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up.
+        """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up
+        (phi3's checkpoints hold them fused already: ``qkv_proj``, ``gate_up_proj``).
 
         A linear weight may be a float tensor or a ``QuantWeight``; norms and biases are float tensors.
+        A missing tensor or a shape that does not fit raises ``ValueError`` naming the tensor.
         """
+        cfg = self.cfg
         missing: list[str] = []
 
         def take(name: str, required: bool = True) -> WeightValue | None:
@@ -281,13 +404,17 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(name)
             return t
 
-        def put(param: torch.Tensor, value: WeightValue | None, name: str) -> None:
+        def put(param: torch.Tensor, name: str) -> None:
+            value = take(name)
             if value is None:
                 return
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"weight {name}: expected a float tensor, got {type(value).__name__}")
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            value = value.float()
+            if cfg.norm_offset:  # gemma's HF checkpoints store w - 1 (computed in float32, as HF does)
+                value = value + 1.0
             param.data.copy_(value.to(self.dtype))
 
         def dense(v: WeightValue) -> WeightValue:
@@ -298,23 +425,29 @@ class LlamaForCausalLM(nn.Module):
         # the whole model is batch invariant; a float model keeps BLAS (fastest).
         invariant = any(isinstance(v, QuantWeight) for v in sd.values()) and self.dtype == torch.float32
 
-        def linear(target: Linear, names: list[str], bias_names: list[str] | None = None) -> Linear:
-            parts = [take(n) for n in names]
-            if any(p is None for p in parts):
+        def parts_of(names: list[str], fused: str | None = None) -> list[WeightValue] | None:
+            if fused is not None and fused in sd:
+                return [sd[fused]]
+            got = [take(n) for n in names]
+            return None if any(p is None for p in got) else got  # type: ignore[return-value]
+
+        def linear(target: Linear, names: list[str], bias_names: list[str] | None = None, fused: str | None = None) -> Linear:
+            parts = parts_of(names, fused)
+            if parts is None:
                 return target
             expect = (target.out_features, target.in_features)
-            got = (sum(int(p.shape[0]) for p in parts), int(parts[0].shape[1]))  # type: ignore[union-attr]
+            got = (sum(int(p.shape[0]) for p in parts), int(parts[0].shape[1]))
             if got != expect:
-                raise ValueError(f"weight {names[0]}: fused shape {got}, expected {expect}")
+                raise ValueError(f"weight {fused if fused in sd else names[0]}: shape {got}, expected {expect}")
             bias = None
             if bias_names:
                 bs = [take(n) for n in bias_names]
                 if all(isinstance(b, torch.Tensor) for b in bs):
                     bias = torch.cat(bs)  # type: ignore[arg-type]
-            return make_linear([dense(p) for p in parts], bias, invariant=invariant)  # type: ignore[arg-type]
+            return make_linear([dense(p) for p in parts], bias, invariant=invariant)
 
         self.embed = linear(self.embed, ["model.embed_tokens.weight"])
-        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        put(self.norm, "model.norm.weight")
         if self.lm_head is not None:
             head_name = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
             # some checkpoints tie without saying so
@@ -322,16 +455,46 @@ class LlamaForCausalLM(nn.Module):
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
             pre = f"model.layers.{i}."
-            put(layer.input_norm, take(pre + "input_layernorm.weight"), pre + "input_layernorm.weight")
-            put(layer.post_attn_norm, take(pre + "post_attention_layernorm.weight"), pre + "post_attention_layernorm.weight")
-            qkv_bias = [pre + f"self_attn.{n}_proj.bias" for n in "qkv"] if self.cfg.attention_bias else None
-            layer.qkv = linear(layer.qkv, [pre + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias)
+            put(layer.input_norm, pre + "input_layernorm.weight")
+            put(layer.post_attn_norm, pre + "post_attention_layernorm.weight")
+            if layer.sandwich:
+                put(layer.pre_ffn_norm, pre + "pre_feedforward_layernorm.weight")
+                put(layer.post_ffn_norm, pre + "post_feedforward_layernorm.weight")
+            if layer.qk_norm != "none":
+                put(layer.q_norm, pre + "self_attn.q_norm.weight")
+                put(layer.k_norm, pre + "self_attn.k_norm.weight")
+            qkv_bias = [pre + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.attention_bias else None
+            layer.qkv = linear(layer.qkv, [pre + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_bias,
+                               fused=pre + "self_attn.qkv_proj.weight")  # fmt: skip
             layer.o_proj = linear(layer.o_proj, [pre + "self_attn.o_proj.weight"])
-            layer.gate_up = linear(layer.gate_up, [pre + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            if layer.moe is not None:
+                self._load_moe(layer.moe, pre + "mlp.", take, invariant, dense)
+                continue
+            layer.gate_up = linear(layer.gate_up, [pre + f"mlp.{n}_proj.weight" for n in ("gate", "up")],
+                                   fused=pre + "mlp.gate_up_proj.weight")  # fmt: skip
             layer.down = linear(layer.down, [pre + "mlp.down_proj.weight"])
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"missing weights: {shown}")
+
+    def _load_moe(self, moe: MoEBlock, pre: str, take: Callable[..., Any], invariant: bool, dense: Callable[..., Any]) -> None:
+        cfg = self.cfg
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        router = take(pre + "gate.weight")
+        experts = []
+        for e in range(cfg.num_experts):
+            ws = [take(f"{pre}experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down")]
+            if any(w is None for w in ws):
+                continue
+            for w, shape, n in zip(ws, ((inter, h), (inter, h), (h, inter)), ("gate", "up", "down")):
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"weight {pre}experts.{e}.{n}_proj.weight: shape {tuple(w.shape)}, expected {shape}")
+            experts.append(tuple(dense(w) for w in ws))
+        if router is None or len(experts) != cfg.num_experts:
+            return  # reported as missing
+        if tuple(router.shape) != (cfg.num_experts, h):
+            raise ValueError(f"weight {pre}gate.weight: shape {tuple(router.shape)}, expected {(cfg.num_experts, h)}")
+        moe.load(dense(router), experts, invariant)
 
     # ---------------------------------------------------------------- converted-weights cache
 

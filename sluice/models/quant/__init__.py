@@ -66,12 +66,15 @@ log = logging.getLogger("sluice.models.quant")
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4", "gguf", "awq", "gptq", "sluice")
 _NATIVE = ("auto", "gguf", "awq", "gptq", "sluice")
-_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(experts\.\d+\.)?(gate|up|down|gate_up)_proj)\.weight$"
+)
 _CACHE_VERSION = 1
 
 
 def is_linear_weight(name: str) -> bool:
-    """A decoder-layer linear's weight (q/k/v/o, gate/up/down): the fallback candidates."""
+    """A decoder-layer linear's weight (q/k/v/o or qkv, gate/up/down or gate_up, an expert's): the fallback
+    candidates.  MoE routers (``mlp.gate.weight``) stay float."""
     return bool(_LINEAR.match(name))
 
 

@@ -70,8 +70,12 @@ def eval_tokens(tokenizer: Any, n: int) -> list[int]:
 def causal_attention(scale: float) -> Any:
     """An ``AttentionFn`` for one contiguous sequence starting at position 0 (no KV cache)."""
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D)
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
+        # q: (T, H, D), k/v: (T, Hkv, D) -> (T, H, D); options: window, softcap, scale (models/attention.py)
+        if options:
+            from sluice.models.attention import masked_attention
+
+            return masked_attention(q, k, v, **options)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
         )
@@ -135,11 +139,17 @@ class ReferenceModel:
                 "self_attn.q_proj": (w(lay.qkv), 0, q),
                 "self_attn.k_proj": (w(lay.qkv), q, q + kv),
                 "self_attn.v_proj": (w(lay.qkv), q + kv, q + 2 * kv),
+                "self_attn.qkv_proj": (w(lay.qkv), 0, q + 2 * kv),  # phi3's fused projections
                 "self_attn.o_proj": (w(lay.o_proj), 0, c.hidden_size),
-                "mlp.gate_proj": (w(lay.gate_up), 0, inter),
-                "mlp.up_proj": (w(lay.gate_up), inter, 2 * inter),
-                "mlp.down_proj": (w(lay.down), 0, c.hidden_size),
             }
+            mlps = {"mlp.": (lay.gate_up, lay.down, inter)} if lay.moe is None else {
+                f"mlp.experts.{e}.": (ex.gate_up, ex.down, c.moe_intermediate_size) for e, ex in enumerate(lay.moe.experts)
+            }  # fmt: skip
+            for mp, (gate_up, down, n) in mlps.items():
+                rows[mp + "gate_proj"] = (w(gate_up), 0, n)
+                rows[mp + "up_proj"] = (w(gate_up), n, 2 * n)
+                rows[mp + "gate_up_proj"] = (w(gate_up), 0, 2 * n)
+                rows[mp + "down_proj"] = (w(down), 0, c.hidden_size)
             out.update({pre + k + ".weight": v for k, v in rows.items()})
         return out
 
@@ -185,7 +195,8 @@ class ReferenceModel:
         with _LinearTap(by_param, on_linear):
             h = self.hidden(tokens)
             self.model.compute_logits(h)  # the LM head, when it is a candidate
-        missing = [n for n in candidates if n not in sq]
+        missing = [n for n in candidates if n not in sq and ".experts." not in n]  # an expert may get no token
+        sq.update({n: [0.0, 0.0] for n in candidates if n not in sq})
         if missing:
             raise RuntimeError(f"calibration saw no F.linear call for {missing[:3]}: the model's forward changed?")
         return {n: (e / r) ** 0.5 if r > 0 else (0.0 if e == 0 else float("inf")) for n, (e, r) in sq.items()}

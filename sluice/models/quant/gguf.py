@@ -241,16 +241,21 @@ def gguf_quant_state_dict(reader: Any, path: Any, cfg: dict[str, Any]) -> dict[s
     loader's GGUF -> HF table), same q/k un-permutation for Llama/Mistral, no
     value changed.  ``cfg`` is ``loader.gguf_hf_config(reader, path)``.
     """
+    from sluice.models.files import gguf_field
     from sluice.models.files import gguf_hf_name as _gguf_hf_name
 
-    permute = cfg["model_type"] in ("llama", "mistral")
+    permute = cfg["model_type"] in ("llama", "mistral", "mixtral")
+    arch = gguf_field(reader, "general.architecture", "llama")
     heads = {"q_proj.weight": cfg["num_attention_heads"], "k_proj.weight": cfg["num_key_value_heads"]}
     sd: dict[str, QuantWeight | torch.Tensor] = {}
     for t in reader.tensors:
-        hf = _gguf_hf_name(t.name)
+        hf = _gguf_hf_name(t.name, arch)
         if hf is None:
             continue
         try:
+            if "{}" in hf:  # an expert stack: one matrix per expert (NOTE(expert-stacks))
+                sd.update({hf.format(e): w for e, w in enumerate(_expert_matrices(t))})
+                continue
             w = qweight_from_gguf(t)
         except ModelLoadError as e:
             raise ModelLoadError(f"GGUF file {path}: {e}") from e
@@ -259,3 +264,20 @@ def gguf_quant_state_dict(reader: Any, path: Any, cfg: dict[str, Any]) -> dict[s
             w = unpermute_rows(w, int(n_head))
         sd[hf] = w
     return sd
+
+
+def _expert_matrices(tensor: Any) -> list[QuantWeight | torch.Tensor]:
+    """NOTE(expert-stacks): llama.cpp stores a MoE layer's experts as one 3D tensor (ne: cols, rows, E);
+    its data is E consecutive matrices, each converted like any 2D tensor (no value changed)."""
+    qtype = tensor.tensor_type.name
+    shape = tuple(reversed([int(x) for x in tensor.shape]))  # (E, rows, cols)
+    if len(shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {tensor.name}: expected an (experts, rows, cols) stack, got shape {shape}")
+    n_exp, rows, cols = shape
+    if qtype in GGUF_FLOAT_TYPES:
+        full = _float_from_gguf(tensor.data, qtype, shape)
+        return [full[e].contiguous() for e in range(n_exp)]
+    if qtype not in _FORMATS:
+        raise _unsupported(tensor.name, qtype)
+    data = np.asarray(tensor.data).reshape(n_exp, -1)
+    return [qweight_from_blocks(data[e], qtype, (rows, cols), f"{tensor.name}[{e}]") for e in range(n_exp)]

@@ -1,0 +1,95 @@
+"""Attention with the options some architectures add: a sliding window, soft-capped scores, a scale.
+
+    attend(attention, layer, q, k, v, window=4096, softcap=50.0, scale=0.0625)
+
+The engine's backends (sluice/engine/attention.py) compute plain causal
+attention over the paged cache.  A layer that needs more goes through here:
+
+- a backend that offers ``attend_ext(layer, q, k, v, window=, softcap=, scale=)``
+  runs it itself (none does yet; NOTE(window-blocks) says what the engine needs);
+- a paged backend without it (anything with ``kv`` and ``meta``): K/V are stored
+  through ``kv.write`` like every other row, then each sequence's keys are read
+  back with ``kv.gather`` and attended in torch, in float32, with the mask;
+- any other callable (a test's reference, the calibration model) gets the options
+  as keyword arguments.
+
+NOTE(window-blocks): the window is a mask: every key stays in the cache, so a
+long sequence of gemma2/3 uses as many blocks as Llama.  Freeing the blocks
+that fall out of the window is the engine's job (its block manager owns them).
+It needs: per sequence, the oldest position any layer still reads,
+``pos - window + 1`` when every layer is sliding; with global layers interleaved
+(gemma) a second block table for the sliding layers (vLLM's hybrid allocator),
+whose out-of-window blocks go back to the pool as the sequence grows.
+
+Batch invariance: each sequence is attended on its own, over its own keys in
+order, so its result does not depend on the other sequences of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["attend", "masked_attention"]
+
+
+def masked_attention(
+    q: torch.Tensor,  # (L, H, D), the last L positions of a context of ctx tokens
+    k: torch.Tensor,  # (ctx, Hkv, D)
+    v: torch.Tensor,  # (ctx, Hkv, D)
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # (L, H, D)
+    ql, h, _ = q.shape
+    ctx, hkv = k.shape[0], k.shape[1]
+    rep = h // hkv
+    qf = q.float().transpose(0, 1)  # (H, L, D)
+    kf = k.float().transpose(0, 1).repeat_interleave(rep, dim=0)  # (H, ctx, D)
+    vf = v.float().transpose(0, 1).repeat_interleave(rep, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, L, ctx)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    qpos = torch.arange(ctx - ql, ctx).unsqueeze(1)  # (L, 1)
+    kpos = torch.arange(ctx).unsqueeze(0)  # (1, ctx)
+    visible = kpos <= qpos
+    if window is not None:
+        visible &= kpos > qpos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)
+
+
+def attend(
+    attention: Any,
+    layer: int,
+    q: torch.Tensor,  # (T, H, D)
+    k: torch.Tensor,  # (T, Hkv, D), new tokens only
+    v: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # (T, H, D)
+    native = getattr(attention, "attend_ext", None)
+    if native is not None:
+        return native(layer, q, k, v, window=window, softcap=softcap, scale=scale)  # type: ignore[no-any-return]
+    kv, meta = getattr(attention, "kv", None), getattr(attention, "meta", None)
+    if kv is None or meta is None:
+        return attention(layer, q, k, v, window=window, softcap=softcap, scale=scale)  # type: ignore[no-any-return]
+    kv.write(layer, meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    for i in range(meta.num_seqs):
+        s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        ctx = meta.seq_lens[i]
+        first = 0
+        if window is not None:  # only the keys the first query can see
+            first = max(0, ctx - (e - s) - window + 1)
+        blocks = meta.block_tables[i, : meta.num_blocks_per_seq[i]].long()
+        kk, vv = kv.gather(layer, blocks, ctx, torch.float32)  # (ctx, Hkv, D)
+        out[s:e] = masked_attention(
+            q[s:e], kk[first:], vv[first:], scale=scale, window=window, softcap=softcap
+        )
+    return out

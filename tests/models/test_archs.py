@@ -1,0 +1,164 @@
+"""Every architecture's logits and greedy tokens equal transformers' on the same weights (tiny random
+models built with transformers' own classes), from HF folders and from GGUF files.
+
+fp32 within 1e-3 of transformers (the suite's Llama tolerance), greedy tokens equal, prompts longer than
+the gemma models' sliding window (6); GGUF F32 equals the HF folder; GGUF Q8_0/Q4_0 loaded ``none``
+(dequantized exactly) equals transformers on the dequantized weights, and served ``auto`` (sluice's
+int8-activation kernels) stays close to it.  (The K-quants' block formats are tested tensor by tensor
+in test_gguf_quant.py: gguf-py has no Q4_K quantizer to write whole models with.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from arch_factory import ARCHS, hf_model, make_arch_dir, reference_attention, write_arch_gguf
+
+from sluice.errors import ModelLoadError
+from sluice.models.loader import load_model, resolve_model
+
+PROMPT_LEN = 20  # > 3 sliding windows of the gemma models
+GREEDY_STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def arch_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("archs")
+    # GGUF has no query_pre_attn_scalar (NOTE(gguf-gemma-scale)): gemma2's GGUF twin uses head_dim, as llama.cpp
+    return {a: make_arch_dir(root / a, a) for a in ARCHS} | {
+        "gemma2-gguf": make_arch_dir(root / "gemma2-gguf", "gemma2", query_pre_attn_scalar=16)
+    }
+
+
+def prompt(vocab: int = 512, n: int = PROMPT_LEN, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def sluice_logits(model: object, ids: torch.Tensor) -> torch.Tensor:  # (T, vocab)
+    m: object = model
+    att = reference_attention(m.cfg.head_dim**-0.5)  # type: ignore[attr-defined]
+    return m.compute_logits(m(ids, torch.arange(len(ids)), att))  # type: ignore[attr-defined,operator,no-any-return]
+
+
+def greedy(step: object, ids: torch.Tensor, n: int = GREEDY_STEPS) -> list[int]:
+    seq = ids.tolist()
+    for _ in range(n):
+        seq.append(int(step(torch.tensor(seq))[-1].argmax()))  # type: ignore[operator]
+    return seq[len(ids):]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_hf_folder_logits_and_greedy_tokens_match_transformers(arch_dirs: dict[str, Path], arch: str) -> None:
+    d = arch_dirs[arch]
+    hf = hf_model(d)
+    model = load_model(resolve_model(str(d)), torch.float32)
+    assert model.cfg.arch == arch
+    ids = prompt()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        got = sluice_logits(model, ids)
+        diff = (got - ref).abs().max().item()
+        assert diff <= 1e-3, f"{arch}: max |logit diff| {diff:.2e} > 1e-3 over {PROMPT_LEN} positions"
+        want = greedy(lambda s: hf(s[None]).logits[0], ids)
+        assert greedy(lambda s: sluice_logits(model, s), ids) == want, f"{arch}: greedy tokens differ from transformers"
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gguf_f32_equals_the_hf_folder(arch_dirs: dict[str, Path], arch: str, tmp_path: Path) -> None:
+    d = arch_dirs["gemma2-gguf" if arch == "gemma2" else arch]
+    g = write_arch_gguf(d, tmp_path / f"{arch}.F32.gguf", "F32")
+    ids = prompt()
+    ref = sluice_logits(load_model(resolve_model(str(d)), torch.float32), ids)
+    got = sluice_logits(load_model(resolve_model(str(g)), torch.float32), ids)
+    assert (got - ref).abs().max().item() <= 1e-4, f"{arch}: the GGUF twin of the folder gives other logits"
+
+
+def dequantized_twin(d: Path, out: Path, qtype: str) -> Path:
+    """The folder with each quantized matrix replaced by its ggml round trip: transformers' reference."""
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        if (d / f).is_file():
+            shutil.copy(d / f, out / f)
+    t = GGMLQuantizationType[qtype]
+    sd = load_file(str(d / "model.safetensors"))
+    for k, v in sd.items():
+        quantized = v.ndim == 2 and "norm" not in k and not k.endswith("mlp.gate.weight") and "embed" not in k
+        quantized = quantized and not k.endswith("block_sparse_moe.gate.weight") and "lm_head" not in k
+        if quantized:
+            sd[k] = quants.dequantize(quants.quantize(v.astype(np.float32), t), t).reshape(v.shape)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+QUANT_CASES = [(a, q) for a in ("qwen3", "phi3", "gemma3", "qwen3_moe", "olmoe") for q in ("Q8_0", "Q4_0")]
+QUANT_CASES += [("gemma2", "Q8_0"), ("mixtral", "Q4_0"), ("llama", "Q8_0")]
+
+
+@pytest.mark.parametrize("arch,qtype", QUANT_CASES)
+def test_gguf_quantized_matches_the_dequantized_reference(
+    arch_dirs: dict[str, Path], arch: str, qtype: str, tmp_path: Path
+) -> None:
+    d = arch_dirs["gemma2-gguf" if arch == "gemma2" else arch]
+    g = write_arch_gguf(d, tmp_path / f"{arch}.{qtype}.gguf", qtype)
+    twin = dequantized_twin(d, tmp_path / "twin", qtype)
+    ids = prompt()
+    with torch.no_grad():
+        ref = hf_model(twin)(ids[None]).logits[0]
+    exact = sluice_logits(load_model(resolve_model(str(g)), torch.float32, quantization="none"), ids)
+    diff = (exact - ref).abs().max().item()
+    assert diff <= 1e-3, f"{arch} {qtype} dequantized: max |logit diff| {diff:.2e} from transformers on the same weights"
+    native = load_model(resolve_model(str(g)), torch.float32, quantization="auto")
+    assert any(lin.is_quantized for lin in native.linears().values()), "auto serves the GGUF's own quantized blocks"
+    got = sluice_logits(native, ids)
+    # int8 activations move each logit a little; in a MoE model a near-tie between two experts may flip
+    # a token's routing, so the bound is on most positions, not all
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).sort().values
+    bound = 0.1 if qtype == "Q8_0" else 0.15
+    share = 0.9 if "experts" in json.dumps(json.loads((d / "config.json").read_text())) else 1.0
+    assert rel[int(share * len(rel)) - 1] < bound, f"{arch} {qtype}: native logits {rel.tolist()} from the reference"
+
+
+def test_parameter_counts_equal_transformers(arch_dirs: dict[str, Path]) -> None:
+    for arch in ARCHS:
+        d = arch_dirs[arch]
+        model = load_model(resolve_model(str(d)), torch.float32)
+        hf = hf_model(d)
+        want = sum(p.numel() for p in hf.parameters())
+        assert model.cfg.num_parameters() == want, f"{arch}: {model.cfg.num_parameters()} parameters, transformers {want}"
+        active = model.cfg.num_parameters(active=True)
+        assert (active < want) == (model.cfg.num_experts > 0), f"{arch}: active {active} of {want}"
+        assert model.weight_bytes() > 0
+
+
+def test_unsupported_architecture_and_bad_tensors_get_one_clear_line(arch_dirs: dict[str, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(arch_dirs["qwen3"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*Falcon.*qwen3"):
+        load_model(resolve_model(str(bad)), torch.float32)
+    from safetensors.torch import load_file, save_file
+
+    (bad / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(bad / "model.safetensors"))
+    sd.pop("model.layers.1.self_attn.q_norm.weight")
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing weights: model\.layers\.1\.self_attn\.q_norm\.weight"):
+        load_model(resolve_model(str(bad)), torch.float32)
+    sd["model.layers.1.self_attn.q_norm.weight"] = torch.ones(7)
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"q_norm\.weight: shape \(7,\), expected \(32,\)"):
+        load_model(resolve_model(str(bad)), torch.float32)
