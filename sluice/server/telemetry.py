@@ -26,6 +26,13 @@ turns a request's timings into its queue / prefill / decode spans::
     sluice_kv_tier_load_bytes_total / _store_bytes_total / _store_seconds_total / _stored_blocks_total /
     _dropped_blocks_total / _evicted_blocks_total / _corrupt_total / _load_failures_total   {tier} counters
 
+Structured outputs (issue 54; docs/structured_outputs.md)::
+
+    sluice_structured_requests_total / _compiles_total / _compile_errors_total / _cache_hits_total   counters
+    sluice_structured_requests_waiting_for_compile / _cache_entries / _cache_bytes                  gauges
+    sluice_structured_compile_seconds / _mask_seconds (per step)                                      histograms
+    sluice_structured_mask_wait_seconds_total / _tokens_total, sluice_jump_forward_tokens_total      counters
+
 SLO admission (issue 11; ``sluice.server.admission``)::
 
     sluice_predicted_ttft_seconds{priority}            gauge: predicted TTFT of a new request now (mean prompt)
@@ -60,11 +67,23 @@ from collections.abc import Callable, Iterator
 
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from sluice.engine.protocol import STEP_KINDS, EngineStats, LoRALoadRecord, RequestTimings
+from sluice.engine.protocol import (
+    STEP_KINDS,
+    STRUCTURED_COMPILE_BUCKETS,
+    STRUCTURED_MASK_BUCKETS,
+    EngineStats,
+    LoRALoadRecord,
+    RequestTimings,
+)
 from sluice.obs.host import HostCollector
 from sluice.obs.tracing import Tracing
 
@@ -211,6 +230,7 @@ class EngineStatsCollector(Collector):
             g.add_metric([p], v)
         yield g
         yield from _kv_tier_metrics(s)
+        yield from _structured_metrics(s)
 
         if s.lora is not None:
             yield from _lora_metrics(s)
@@ -228,6 +248,34 @@ def _step_kind_metrics(s: EngineStats) -> Iterator[Metric]:
         for kind, v in zip(STEP_KINDS, values):
             c.add_metric([kind], v)
         yield c
+
+
+def _structured_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Structured outputs (docs/structured_outputs.md): the engine's grammar compiles, cache, masks, jump-forward."""
+
+    def histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int], total: float) -> Metric:
+        counts = counts or [0] * (len(bounds) + 1)
+        cum, buckets = 0, []
+        for bound, n in zip((*[repr(b) for b in bounds], "+Inf"), counts):
+            cum += n
+            buckets.append((bound, cum))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+    yield CounterMetricFamily("sluice_structured_requests", "Constrained requests (structured outputs, tools) the engine took.", value=s.structured_requests)
+    yield GaugeMetricFamily("sluice_structured_requests_waiting_for_compile", "Requests waiting for their grammar to compile.", value=s.structured_waiting_for_compile)
+    yield CounterMetricFamily("sluice_structured_compiles", "Grammars compiled (cache misses).", value=s.structured_compiles)
+    yield CounterMetricFamily("sluice_structured_compile_errors", "Requests ended by a grammar error or a compile timeout.", value=s.structured_compile_errors)
+    yield CounterMetricFamily("sluice_structured_cache_hits", "Constrained requests whose grammar was compiled already.", value=s.structured_cache_hits)
+    yield GaugeMetricFamily("sluice_structured_cache_entries", "Compiled grammars held.", value=s.structured_cache_entries)
+    yield GaugeMetricFamily("sluice_structured_cache_bytes", "Estimated memory of the compiled grammars held.", value=s.structured_cache_bytes)
+    yield histogram("sluice_structured_compile_seconds", "Grammar compile time.", STRUCTURED_COMPILE_BUCKETS,
+                    s.structured_compile_buckets, s.structured_compile_seconds)  # fmt: skip
+    yield histogram("sluice_structured_mask_seconds", "Time to compute one step's token masks (while the model runs).",
+                    STRUCTURED_MASK_BUCKETS, s.structured_mask_buckets, s.structured_mask_seconds)  # fmt: skip
+    yield CounterMetricFamily("sluice_structured_mask_wait_seconds", "Time the sampler waited for token masks the "
+                              "forward pass did not hide.", value=s.structured_mask_wait_seconds)  # fmt: skip
+    yield CounterMetricFamily("sluice_structured_tokens", "Output tokens of constrained requests.", value=s.structured_tokens)
+    yield CounterMetricFamily("sluice_jump_forward_tokens", "Output tokens a grammar forced, appended without a decode step each.", value=s.jump_forward_tokens)
 
 
 def _lora_metrics(s: EngineStats) -> Iterator[Metric]:
