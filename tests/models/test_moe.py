@@ -1,0 +1,121 @@
+"""Mixture-of-experts: the router picks what transformers picks, every expert runs in some test, the
+grouped expert pass gives the bits of running the experts one by one, and a request's logits do not
+depend on the batch it shares (quantized experts on sluice's kernels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from arch_factory import hf_model, make_arch_dir, write_arch_gguf
+
+from sluice.models.attention import masked_attention
+from sluice.models.loader import load_model, resolve_model
+from sluice.models.moe import MoEBlock
+
+MOE_ARCHS = ["qwen3_moe", "olmoe", "mixtral"]
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {a: make_arch_dir(root / a, a, seed=5) for a in MOE_ARCHS}
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_router_inputs(hf: Any, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer -> (the MoE block's input (T, H), transformers' chosen experts (T, k))."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        block = getattr(layer, "mlp", None) or layer.block_sparse_moe
+
+        def hook(mod: Any, args: Any, out: Any, i: int = i) -> None:
+            seen[i] = (args[0].reshape(-1, args[0].shape[-1]).clone(), out[2].clone())  # (logits, scores, indices)
+
+        hooks.append(block.gate.register_forward_hook(hook))
+    with torch.no_grad():
+        hf(ids[None])
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_router_choices_equal_transformers_and_every_expert_gets_rows(moe_dirs: dict[str, Path], arch: str) -> None:
+    hf = hf_model(moe_dirs[arch])
+    model = load_model(resolve_model(str(moe_dirs[arch])), torch.float32)
+    used: dict[int, set[int]] = {}
+    for seed in range(3):
+        for i, (x, want) in hf_router_inputs(hf, ids_of(24, seed)).items():
+            moe = model.layers[i].moe
+            assert isinstance(moe, MoEBlock)
+            w, got = moe.route(x)
+            assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"{arch} layer {i}: router choices differ"
+            if moe.normalize:
+                assert torch.allclose(w.sum(-1), torch.ones(len(w))), "normalised top-k weights sum to 1"
+            used.setdefault(i, set()).update(got.flatten().tolist())
+    for i, experts in used.items():
+        assert experts == set(range(8)), f"{arch} layer {i}: experts {sorted(experts)} got rows, the test must reach all 8"
+
+
+@pytest.fixture(scope="module")
+def quantized_moe(moe_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    d = tmp_path_factory.mktemp("moe-gguf")
+    g = write_arch_gguf(moe_dirs["qwen3_moe"], d / "qwen3_moe.Q4_0.gguf", "Q4_0")
+    import os
+
+    old = os.environ.get("SLUICE_CACHE_DIR")
+    os.environ["SLUICE_CACHE_DIR"] = str(d / "cache")
+    try:
+        return load_model(resolve_model(str(g)), torch.float32, quantization="auto")
+    finally:
+        if old is None:
+            del os.environ["SLUICE_CACHE_DIR"]
+        else:
+            os.environ["SLUICE_CACHE_DIR"] = old
+
+
+def test_grouped_expert_pass_gives_the_bits_of_experts_one_by_one(quantized_moe: Any) -> None:
+    moe = quantized_moe.layers[0].moe
+    assert all(ex.gate_up.is_quantized and ex.down.is_quantized for ex in moe.experts), "experts run on the quantized kernels"
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(0))
+    act = lambda gu: quantized_moe.ops.act_mul(gu, "silu")  # noqa: E731
+    grouped = moe(x, act)
+    assert torch.equal(grouped, moe.forward_one_by_one(x, act)), "NOTE(grouped-experts): same bits as one by one"
+    _, ids = moe.route(x)
+    assert len(set(ids.flatten().tolist())) == moe.num_experts, "every expert ran over several rows here"
+
+
+def flat_batch_attention(starts: list[int], scale: float) -> Any:
+    """Causal attention over a flat batch of whole sequences starting at ``starts`` (plus the end)."""
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **opts: Any) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for s, e in zip(starts, starts[1:]):
+            out[s:e] = masked_attention(q[s:e], k[s:e], v[s:e], **{"scale": scale, **opts})
+        return out
+
+    return attend
+
+
+def test_a_requests_logits_do_not_depend_on_its_batch(quantized_moe: Any) -> None:
+    m = quantized_moe
+    a, others = ids_of(9, 10), [ids_of(n, 20 + n) for n in (1, 5, 30)]
+    alone = m.compute_logits(m(a, torch.arange(9), flat_batch_attention([0, 9], m.cfg.head_dim**-0.5)))
+    for b in others:
+        ids = torch.cat([b, a])
+        pos = torch.cat([torch.arange(len(b)), torch.arange(9)])
+        att = flat_batch_attention([0, len(b), len(b) + 9], m.cfg.head_dim**-0.5)
+        batched = m.compute_logits(m(ids, pos, att))[len(b):]
+        assert torch.equal(batched, alone), f"logits changed when batched with {len(b)} other tokens"
