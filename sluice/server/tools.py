@@ -130,10 +130,39 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
 
 def _parameters(t: Tool) -> dict[str, Any]:
     p = t.function.parameters
-    schema: dict[str, Any] = dict(p) if p is not None else {"type": "object", "properties": {},
-                                                              "additionalProperties": False}  # fmt: skip
+    schema: dict[str, Any] = _closed(p) if p is not None else {"type": "object", "properties": {},
+                                                                 "additionalProperties": False}  # fmt: skip
     schema["x-guidance"] = {**_ARGS_FORMAT, **schema.get("x-guidance", {})}
     return schema
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def _closed(schema: Any) -> Any:
+    """A copy of ``schema`` whose objects with ``properties`` and no ``additionalProperties`` are closed.
+
+    NOTE(closed-args): JSON Schema lets an object hold properties it does not name, and a
+    small model given that freedom fills the arguments with made-up keys (SmolLM2 copies the
+    schema's own keywords) until max_tokens.  An argument object holds only the properties its
+    schema names unless the schema says otherwise: still valid against the schema, and what
+    OpenAI's ``strict`` function calling requires anyway.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _closed(v) for name, v in out[k].items()}
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_closed(v) for v in out[k]]
+    if isinstance(out.get("items"), dict):
+        out["items"] = _closed(out["items"])
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tool_grammar(plan: ToolPlan) -> str:
@@ -372,8 +401,13 @@ class ToolCallParser:
         if not piece:
             return
         fn["arguments"] += piece
-        if not self._is_held:
-            deltas.append(CallDelta(len(self.calls) - 1, arguments=piece))
+        if self._is_held:
+            return
+        i = len(self.calls) - 1
+        if deltas and deltas[-1].index == i:
+            deltas[-1].arguments += piece  # one fragment per call per delta
+        else:
+            deltas.append(CallDelta(i, arguments=piece))
 
     def _release(self, deltas: list[CallDelta]) -> None:
         """A held call closed: show it whole, or end the answer if it repeats one (NOTE(repeated-call))."""
@@ -390,23 +424,21 @@ class ToolCallParser:
             deltas.append(CallDelta(i, arguments=fn["arguments"]))
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        """What was held back, at the end of the answer."""
+        """What was held back, at the end of the answer.
+
+        An answer cut off (max_tokens) in the middle of a later call drops that call, which
+        was never shown; the first call, already streamed, keeps its arguments as they stand.
+        """
         text, deltas = "", list[CallDelta]()
-        if self.state == "text" or self.is_broken:
-            text, self.buf = self.buf, ""
-            if self.calls and not text.strip():
-                text = ""
-        elif self.state == "args":  # cut off (max_tokens): the arguments as they stand
-            if self.buf:
-                self._args(self.calls[-1]["function"], self.buf, deltas)
-            if self._is_held:
-                self._is_held = False
-                call = self.calls[-1]
-                deltas.append(CallDelta(len(self.calls) - 1, call["id"], call["function"]["name"],
-                                        call["function"]["arguments"]))  # fmt: skip
-            self.buf = ""
-        elif self.state == "head":  # cut off before a name: show it as text
-            text, self.buf = CALL_OPEN + self.buf, ""
+        if self.is_broken or (self.state == "text" and not (self.calls and CALL_OPEN.startswith(self.buf.lstrip()))):
+            text = self.buf
+        elif self.state == "args" and self._is_held:
+            self.calls.pop()
+        elif self.state == "args" and self.buf:
+            self._args(self.calls[-1]["function"], self.buf, deltas)
+        elif self.state == "head" and not self.calls:  # cut off before a name: show it as text
+            text = CALL_OPEN + self.buf
+        self.buf, self._is_held = "", False
         return text, deltas
 
 

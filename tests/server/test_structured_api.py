@@ -201,12 +201,16 @@ def test_smollm2_parse_returns_the_pydantic_model(smollm2_url: str) -> None:
     ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
 ])  # fmt: skip
 def test_smollm2_answers_hold_to_regex_choice_and_json_object(smollm2_url: str, extra: dict, check: Any) -> None:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Give me an answer."}], "max_tokens": 60,
+    # NOTE(smollm2-prompts): a JSON object has no bound of its own; asked for nothing in
+    # particular SmolLM2 runs on in keys until max_tokens, so the prompt asks for a short one
+    ask = 'Return a JSON object with the key "answer" set to 42.'
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": ask}], "max_tokens": 100,
             "temperature": 0, **extra}  # fmt: skip
     r = httpx.post(smollm2_url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    text = r.json()["choices"][0]["message"]["content"]
-    assert check(text), f"{extra} must hold the answer, got {text!r}"
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and check(text), f"{extra} must hold the answer, got {choice}"
 
 
 @pytest.mark.slow
