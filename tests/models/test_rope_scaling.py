@@ -1,0 +1,57 @@
+"""Llama with each ``rope_scaling`` HF configs use (llama3, linear, yarn, dynamic) equals transformers'
+logits on a tiny random model; dynamic past its trained context keeps one rotation per position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from arch_factory import hf_model, make_arch_dir, reference_attention
+
+from sluice.models.config import ModelConfig
+from sluice.models.llama import rope_tables
+from sluice.models.loader import load_model, resolve_model
+
+SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16,
+                    "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_llama_rope_scaling_matches_transformers(tmp_path: Path, name: str) -> None:
+    # 40 positions: past the 16-token original context of llama3/yarn; dynamic is compared inside its
+    # trained context (64), where transformers does not rescale
+    d = make_arch_dir(tmp_path / name, "llama", max_position_embeddings=64,
+                      rope_parameters={"rope_theta": 10000.0, **SCALINGS[name]})  # fmt: skip
+    model = load_model(resolve_model(str(d)), torch.float32)
+    assert model.cfg.rope_scaling is not None and model.cfg.rope_scaling["rope_type"] == SCALINGS[name]["rope_type"]
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(d)(ids[None]).logits[0]
+    got = model.compute_logits(model(ids, torch.arange(40), reference_attention(model.cfg.head_dim**-0.5)))
+    diff = (got - ref).abs().max().item()
+    assert diff <= 1e-3, f"{name}: max |logit diff| {diff:.2e}"
+
+
+def test_dynamic_rope_past_the_context_rotates_each_position_once() -> None:
+    cfg = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4,
+                      num_kv_heads=4, head_dim=16, max_position_embeddings=32,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})  # fmt: skip
+    plain = ModelConfig(**{**cfg.__dict__, "rope_scaling": None})
+    cos, _ = rope_tables(cfg, 64)
+    cos0, _ = rope_tables(plain, 64)
+    assert torch.equal(cos[:32], cos0[:32]), "inside the trained context: the unscaled rotations"
+    assert not torch.allclose(cos[40:], cos0[40:]), "past it: a larger base (NTK), slower rotations"
+    assert torch.equal(rope_tables(cfg, 48)[0], cos[:48]), "a position's rotation does not depend on the table size"
