@@ -35,7 +35,10 @@ from sluice.models.source import (
     resolve_model,
 )
 
-__all__ = ["ModelSource", "resolve_model", "load_model_config", "load_model", "file_digest", "cache_dir"]
+__all__ = [
+    "ModelSource", "resolve_model", "load_model_config", "load_model", "file_digest", "cache_dir",
+    "check_fits_in_memory", "served_weight_bytes",
+]
 
 # NOTE(compat): the readers live in models/source.py and models/files.py (so
 # that models/quant can use them without importing the loader); these names
@@ -151,6 +154,7 @@ def load_model(
     fmt = detect_format(source)  # 'gguf' | 'float' | 'awq' | 'gptq' | 'sluice'
     if quantization == "auto" and fmt == "float":
         quantization = "none"  # a float checkpoint: auto serves it as it is
+    check_fits_in_memory(source, fmt, quantization, torch.empty((), dtype=dtype).element_size())
     variant = _variant(quantization, quant_fallback, dtype)
     use_cache = source.kind == "gguf" or quantization != "none" or fmt != "float"
     if use_cache:
@@ -210,6 +214,41 @@ def load_model(
         _atomic_dir_write(root / variant, {"manifest.json": json.dumps(manifest_doc), "model.safetensors": model.state_dict()})
         bound_cache(root.parent, keep=root)
     return model
+
+
+def served_weight_bytes(source: ModelSource, fmt: str, quantization: str, dtype_bytes: int) -> int:
+    """About how many bytes the served weights take (a lower bound of what loading needs)."""
+    from sluice.models.formats import weights_bytes
+
+    if quantization in ("auto", "gguf", "awq", "gptq", "sluice") and fmt != "float":
+        return weights_bytes(source)  # served as stored
+    if source.kind == "gguf":
+        n = weights_bytes(source) * 2  # at least 4 bits a weight: a lower bound of the parameter count
+    else:
+        from sluice.models.config import ModelConfig
+
+        try:
+            n = ModelConfig.from_hf(load_model_config(source)).num_parameters()
+        except (KeyError, ValueError, TypeError):
+            return 0  # the loader reports the bad config itself
+    return {"int8": n * 17 // 16, "int4": n * 9 // 16}.get(quantization, n * dtype_bytes)
+
+
+def check_fits_in_memory(source: ModelSource, fmt: str, quantization: str, dtype_bytes: int) -> None:
+    """NOTE(larger-than-ram): sluice holds every weight in memory (a GGUF's quantized blocks are
+    unpacked and repacked for the kernels); a model whose served weights alone exceed the memory
+    available fails here with one line, rather than by swapping for minutes and being killed."""
+    import psutil
+
+    need = served_weight_bytes(source, fmt, quantization, dtype_bytes)
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        gib = 1 << 30
+        raise ModelLoadError(
+            f"model {source.path}: its weights need about {need / gib:.1f} GiB as served "
+            f"(--quantization {quantization}), more than the {avail / gib:.1f} GiB of memory available; "
+            f"use a smaller quantization (e.g. a Q4 GGUF, or --quantization int4) or a machine with more memory"
+        )
 
 
 def _quantized_state_dict(

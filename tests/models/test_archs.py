@@ -162,3 +162,14 @@ def test_unsupported_architecture_and_bad_tensors_get_one_clear_line(arch_dirs: 
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"q_norm\.weight: shape \(7,\), expected \(32,\)"):
         load_model(resolve_model(str(bad)), torch.float32)
+
+
+def test_a_model_larger_than_memory_fails_with_one_line(arch_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    class Tiny:
+        available = 1 << 16
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    with pytest.raises(ModelLoadError, match=r"weights need about .* GiB as served .* more than the 0\.0 GiB of memory available"):
+        load_model(resolve_model(str(arch_dirs["qwen3_moe"])), torch.float32)
