@@ -86,6 +86,7 @@ class Prepared:
     sampling: SamplingParams
     lora_name: str | None = None  # the LoRA adapter the request's model names; None: the base model
     tool_plan: ToolPlan | None = None  # a chat request whose answer may hold tool calls
+    constraint_param: str | None = None  # the request field its output constraint came from
 
 
 class OpenAIServing:
@@ -152,7 +153,13 @@ class OpenAIServing:
         raise ModelNotFoundError(f"model {model!r} is not served here; available: {available}")
 
     async def prepare(self, ctx: RequestContext, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
-        structured, plan = self.constraint(req)
+        # NOTE(validate-offload): compiling a constraint takes from well under a millisecond
+        # (a cached verdict) to tens of milliseconds (a large schema), so it runs on a
+        # worker thread; a request without one pays nothing
+        if _has_constraint(req):
+            structured, plan, constraint_param = await asyncio.to_thread(self.constraint, req)
+        else:
+            structured, plan, constraint_param = None, None, None
         span = self.tracing.tracer.start_span("tokenize", context=_ctx_of(ctx.span))
         try:
             prompts = await self._tokenize(req, plan)
@@ -174,14 +181,17 @@ class OpenAIServing:
         validate_request(longest, sampling, info, int(ctx.priority))
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         ctx.stream = req.stream
-        return Prepared(kind, req, prompts, sampling, tool_plan=plan)
+        return Prepared(kind, req, prompts, sampling, tool_plan=plan, constraint_param=constraint_param)
 
-    def constraint(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputs | None, ToolPlan | None]:
-        """The request's output constraint (validated: a 400 naming the parameter) and its tool plan."""
+    def constraint(
+        self, req: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[StructuredOutputs | None, ToolPlan | None, str | None]:
+        """The request's output constraint (validated: a 400 naming the parameter), its tool plan,
+        and the request field the constraint came from."""
         structured, param = build_structured(req.response_format, req.structured_outputs, req.guided(), self.grammars)
         plan = plan_tools(req) if isinstance(req, ChatCompletionRequest) else None
         if plan is None:
-            return structured, None
+            return structured, None, param
         if structured is not None:
             raise InvalidRequestError(f"{param} cannot be combined with tools unless tool_choice is 'none'",
                                       param=param)  # fmt: skip
@@ -196,7 +206,7 @@ class OpenAIServing:
         if verdict:  # a function's parameters that llguidance cannot hold the arguments to
             raise InvalidRequestError(f"tools: a function's parameters schema is not supported: {verdict}",
                                       param="tools")  # fmt: skip
-        return StructuredOutputs(grammar=grammar), plan
+        return StructuredOutputs(grammar=grammar), plan, "tools"
 
     def _is_native(self) -> bool:
         """Whether the chat template takes tools in sluice's call format (probed once)."""
@@ -375,9 +385,19 @@ class OpenAIServing:
                 self._token_text_cache[token_id] = s
         return s
 
+    @staticmethod
+    def _name_constraint(e: SluiceError, prep: Prepared) -> SluiceError:
+        """An engine-side constraint error names the request's own field (``tools``, ``response_format...``)."""
+        if isinstance(e, InvalidRequestError) and e.param == "structured_outputs" and prep.constraint_param:
+            e.param = prep.constraint_param
+        return e
+
     async def collect(self, ctx: RequestContext, prep: Prepared, gen: Generation) -> dict[str, Any]:
-        async for _ in gen.deltas():
-            pass
+        try:
+            async for _ in gen.deltas():
+                pass
+        except SluiceError as e:
+            raise self._name_constraint(e, prep) from None
         return self.renderer(ctx, prep).full(gen.choices, ctx.prompt_tokens)
 
     async def first_events(self, ctx: RequestContext, prep: Prepared, gen: Generation) -> tuple[list[bytes], Renderer, Any]:
@@ -388,6 +408,8 @@ class OpenAIServing:
             first = await it.__anext__()
         except StopAsyncIteration:
             first = []
+        except SluiceError as e:
+            raise self._name_constraint(e, prep) from None
         return [sse_event(r.chunk(d)) for d in first], r, it
 
     async def stream_body(
@@ -403,6 +425,7 @@ class OpenAIServing:
                     for d in deltas:
                         yield sse_event(r.chunk(d))
             except SluiceError as e:
+                self._name_constraint(e, prep)
                 ctx.status = e.status_code
                 yield sse_event(e.to_openai())
                 yield SSE_DONE
@@ -469,6 +492,13 @@ class OpenAIServing:
         t = gen.choices[0].timings
         ttft = None if t is None else t.ttft
         return ttft is not None and (target is None or ttft <= target)
+
+
+def _has_constraint(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    if isinstance(req, ChatCompletionRequest) and (req.tools or req.tool_choice is not None):
+        return True
+    return (req.response_format is not None or req.structured_outputs is not None
+            or any(v is not None for v in req.guided().values()))  # fmt: skip
 
 
 def _dur(a: float | None, b: float | None) -> float | None:

@@ -22,6 +22,7 @@ validated: the same ``grammar_from_*`` helpers, the same default options.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -151,14 +152,16 @@ class GrammarValidator:
     def __init__(self, cache_size: int = 256):
         self.cache_size = cache_size
         self._verdicts: OrderedDict[tuple[str, str], str] = OrderedDict()  # (kind, text) -> '' (valid) or why not
+        self._lock = threading.Lock()  # validations run on worker threads (NOTE(validate-offload) in serving)
 
     def reason(self, kind: str, text: str, make: Callable[[], str]) -> str:
         """'' when the grammar ``make()`` returns compiles, else llguidance's reason."""
         key = (kind, text)
-        hit = self._verdicts.get(key)
-        if hit is not None:
-            self._verdicts.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self._verdicts.get(key)
+            if hit is not None:
+                self._verdicts.move_to_end(key)
+                return hit
         from llguidance import LLMatcher
 
         try:
@@ -169,9 +172,10 @@ class GrammarValidator:
         # as warnings and then ignores them: the output would not be held to the whole
         # schema, so a warning is refused like an error
         verdict = "; ".join(m.strip() for m in messages) if (is_error or messages) else ""
-        self._verdicts[key] = verdict
-        if len(self._verdicts) > self.cache_size:
-            self._verdicts.popitem(last=False)
+        with self._lock:
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > self.cache_size:
+                self._verdicts.popitem(last=False)
         return verdict
 
     def validate(self, so: StructuredOutputs, param: str) -> None:

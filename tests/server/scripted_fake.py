@@ -10,6 +10,9 @@ can drive exact answers through the real server without a model:
 - a prompt holding ``ECHO_PROMPT`` is answered with the prompt itself (the rendered chat),
   each ``<`` written ``&lt;`` (so tags in it are not taken for the answer's own tool calls).
 
+A constrained request whose prompt holds ``REJECT_CONSTRAINT`` is refused as the engine
+refuses a grammar it cannot compile (``InvalidRequestError``, param ``structured_outputs``).
+
 The last ``SAY<<...>>SAY`` of the prompt counts (a history may hold earlier ones).
 """
 
@@ -20,6 +23,7 @@ import re
 import msgspec
 
 from sluice.engine.protocol import EngineRequest
+from sluice.errors import InvalidRequestError
 from sluice.server.testing import EOS, FakeEngineCore, _Req
 
 _SAY = re.compile(rb"SAY<<(.*?)>>SAY", re.S)
@@ -27,6 +31,8 @@ _SAY = re.compile(rb"SAY<<(.*?)>>SAY", re.S)
 
 class ScriptedEngineCore(FakeEngineCore):
     def add_request(self, req: EngineRequest) -> None:
+        if req.sampling.structured is not None and b"REJECT_CONSTRAINT" in bytes(t for t in req.prompt_token_ids if t < 256):
+            raise InvalidRequestError("invalid structured output constraint: scripted", param="structured_outputs")
         req.sampling.stop_token_ids = [*req.sampling.stop_token_ids, EOS]
         super().add_request(req)
 

@@ -143,6 +143,18 @@ def test_a_bad_constraint_is_a_400_naming_the_parameter(server: ServerThread, ex
     assert why in err["message"], f"the message must say why: {err['message']}"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_side_constraint_error_names_the_request_field(server: ServerThread, stream: bool) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    body = {"model": "fake", "messages": [{"role": "user", "content": "REJECT_CONSTRAINT"}], "response_format": rf,
+            "stream": stream}  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema", (
+        "the engine's 'structured_outputs' must be mapped to the field the client sent"
+    )
+
+
 def test_a_bad_schema_raises_bad_request_in_the_openai_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
