@@ -35,7 +35,8 @@ from sluice.engine.protocol import (
 )
 from sluice.errors import InvalidRequestError
 
-__all__ = ["GrammarCompiler", "GrammarState", "MaskBatch", "grammar_spec", "constraint_key", "JSON_OPTIONS"]
+__all__ = ["GrammarCompiler", "GrammarState", "MaskBatch", "grammar_spec", "constraint_key", "compile_grammar",
+           "make_ll_tokenizer", "JSON_OPTIONS"]
 
 log = logging.getLogger("sluice.engine")
 
@@ -159,7 +160,7 @@ class GrammarCompiler:
         self.max_bytes = max_bytes
         self.clock = clock
         self.counters = StructuredCounters()
-        self.compile_fn: Callable[[str, str, Any], Any] = _compile
+        self.compile_fn: Callable[[str, str, Any], Any] = compile_grammar
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="sluice-grammar")
         self._tokenizer: Future[Any] = self._pool.submit(make_tokenizer)
         self._lock = threading.Lock()  # guards _cache and _jobs (jobs finish on the pool's threads)
@@ -253,7 +254,7 @@ GRAMMAR_BASE_BYTES = 64 * 1024  # NOTE(grammar-bytes)
 GRAMMAR_BYTES_PER_CHAR = 64
 
 
-def _compile(kind: str, spec: str, tokenizer: Any) -> Any:
+def compile_grammar(kind: str, spec: str, tokenizer: Any) -> Any:
     from llguidance import LLMatcher
 
     del kind
