@@ -331,3 +331,58 @@ def test_langchain_bind_tools(smollm2_url: str) -> None:  # noqa: F811
     msg = llm.bind_tools([get_time], tool_choice="any").invoke("What time is it in Berlin?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_time"  # type: ignore[attr-defined]
     assert msg.tool_calls[0]["args"]["tz"] in ("UTC", "CET")  # type: ignore[attr-defined]
+
+
+# -- a chat template that takes tools (NOTE(tool-format)) ---------------------------
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_takes_tools_gets_them_and_the_history_as_it_is() -> None:
+    from sluice.models.tokenizer import load_tokenizer
+    from sluice.server.codec import ModelCodec
+    from sluice.server.tools import template_is_native, template_messages
+
+    plain = ModelCodec(load_tokenizer("smollm2"))
+    assert not template_is_native(lambda m, t: plain.apply_chat_template(m, tools=t)), (
+        "SmolLM2's template ignores tools: it gets the default tool prompt"
+    )
+    tok = load_tokenizer("smollm2")
+    tok.hf.chat_template = HERMES_TEMPLATE
+    codec = ModelCodec(tok)
+    assert template_is_native(lambda m, t: codec.apply_chat_template(m, tools=t))
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], "tools": [WEATHER]})  # fmt: skip
+    msgs, tools = template_messages(req, plan_tools(req), native=True)
+    text = codec.apply_chat_template(msgs, tools=tools)
+    assert '"name": "get_weather"' in text.split("</tools>")[0], "the tools go to the template"
+    assert "You can call functions" not in text, "no default tool prompt beside the template's own"
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert "<tool_response>\n21 C\n</tool_response>" in text
