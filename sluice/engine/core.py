@@ -564,7 +564,8 @@ class EngineCore:
             row = SamplingRow(sp, req.token_ids, req.num_prompt_tokens, self.generators.get(req.request_id), banned)
             rows.append(row)
             if req.grammar is not None:
-                req.grammar.sync(req.output_token_ids)  # a no-op unless its state and its tokens differ
+                if req.grammar.num_accepted != req.num_output_tokens:  # never, unless a path forgot to feed it
+                    req.grammar.sync(req.output_token_ids)
                 constrained.append((row, req.grammar))
         if constrained:  # NOTE(mask-overlap) in structured: computed while the model runs
             masks = self.grammars.start_masks([g for _, g in constrained], self.runner.model_config.vocab_size)
