@@ -84,12 +84,13 @@ def attend(
     for i in range(meta.num_seqs):
         s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         ctx = meta.seq_lens[i]
-        first = 0
-        if window is not None:  # only the keys the first query can see
+        first = 0  # the first position any query of the step sees
+        if window is not None:
             first = max(0, ctx - (e - s) - window + 1)
-        blocks = meta.block_tables[i, : meta.num_blocks_per_seq[i]].long()
-        kk, vv = kv.gather(layer, blocks, ctx, torch.float32)  # (ctx, Hkv, D)
-        out[s:e] = masked_attention(
-            q[s:e], kk[first:], vv[first:], scale=scale, window=window, softcap=softcap
-        )
+        block_size = kv.k[layer].shape[1]
+        skip = first // block_size  # whole blocks out of the window are not read
+        blocks = meta.block_tables[i, skip : meta.num_blocks_per_seq[i]].long()
+        kk, vv = kv.gather(layer, blocks, ctx - skip * block_size, torch.float32)  # (ctx', Hkv, D)
+        off = first - skip * block_size
+        out[s:e] = masked_attention(q[s:e], kk[off:], vv[off:], scale=scale, window=window, softcap=softcap)
     return out

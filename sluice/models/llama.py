@@ -28,6 +28,7 @@ a layer with any other option runs the same linears through the torch sequence.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol, cast
 
 import torch
@@ -307,6 +308,9 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         # the token embedding doubles as the LM head when the model ties them
         self.embed = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.sliding_window and cfg.sliding_window >= max_positions:  # the window never cuts: plain attention
+            cfg = replace(cfg, sliding_window=None)
+            self.cfg = cfg
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head: Linear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)

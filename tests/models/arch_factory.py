@@ -38,6 +38,7 @@ _BASE: dict[str, Any] = {
 # arch -> (transformers config class, model class, GGUF arch, extra config)
 ARCHS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": 6}),  # every layer sliding
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 32}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", {
@@ -112,8 +113,7 @@ def write_arch_gguf(hf_dir: Path, path: Path, linear_type: str = "Q8_0", embed_t
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_type = cfg["model_type"]
-    arch_name = next(a for a, (_, _, g, _) in ARCHS.items() if a == model_type.removesuffix("_text"))
-    garch = ARCHS[arch_name][2]
+    garch = ARCHS[model_type.removesuffix("_text")][2]
     sd = load_file(str(hf_dir / "model.safetensors"))
     n_layers = cfg["num_hidden_layers"]
     tmap = get_tensor_name_map(getattr(MODEL_ARCH, garch.upper()), n_layers)

@@ -1,5 +1,5 @@
 """The new architectures through the engine: chunked prefills and decodes over the paged KV cache (both
-attention backends) give transformers' logits and greedy tokens, past gemma2's sliding window too."""
+attention backends) give transformers' logits and greedy tokens, past the sliding windows of gemma2 (interleaved) and mistral (every layer) too."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list[torc
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
-@pytest.mark.parametrize("arch", ["gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "mistral", "qwen3_moe"])
 def test_engine_logits_and_greedy_tokens_match_transformers(tmp_path: Path, arch: str, backend: str) -> None:
     model_dir = make_arch_dir(tmp_path / arch, arch)
     engine = EngineCore(model=str(model_dir), dtype="float32", attention_backend=backend,
