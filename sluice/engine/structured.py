@@ -10,6 +10,9 @@
 One compiler per engine, and so per tokenizer: its cache key is the constraint alone.  llguidance
 builds its lexer lazily and computes masks in Rust with the GIL released, so neither a compile nor a
 step's masks hold up the step loop (NOTE(grammar-wait) in the scheduler, NOTE(mask-overlap) below).
+
+Importing this module loads no torch: the API process may check a constraint with
+``validate_constraint``, which builds the grammar exactly as the engine will.
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from sluice.engine.protocol import (
     STRUCTURED_COMPILE_BUCKETS,
@@ -35,8 +37,11 @@ from sluice.engine.protocol import (
 )
 from sluice.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["GrammarCompiler", "GrammarState", "MaskBatch", "grammar_spec", "constraint_key", "compile_grammar",
-           "make_ll_tokenizer", "JSON_OPTIONS"]
+           "make_ll_tokenizer", "validate_constraint", "JSON_OPTIONS"]
 
 log = logging.getLogger("sluice.engine")
 
@@ -80,6 +85,20 @@ def grammar_spec(kind: str, text: str) -> str:
     if kind == "regex":
         return grammar_from("regex", text)
     return grammar_from("grammar", text)  # llguidance Lark (with %json), or GBNF
+
+
+def validate_constraint(so: StructuredOutputs) -> None:
+    """Raise ``InvalidRequestError`` (param ``structured_outputs``) for a constraint the engine would refuse:
+    the same grammar text the engine compiles, checked by llguidance without a tokenizer (milliseconds)."""
+    from llguidance import LLMatcher
+
+    key = constraint_key(so)
+    try:
+        error = LLMatcher.validate_grammar(grammar_spec(*key))
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise InvalidRequestError(f"invalid structured output constraint: {error}", param=PARAM)
 
 
 def make_ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int], vocab_size: int) -> Any:
@@ -341,6 +360,8 @@ class MaskBatch:
         self._allowed: torch.Tensor | None = None
 
     def _compute(self, executor: Any, states: list[GrammarState], num_words: int) -> tuple[torch.Tensor, float]:
+        import torch
+
         t0 = time.monotonic()
         bits = np.full((len(states), num_words), -1, dtype=np.int32)  # bit i of word w: token 32 * w + i
         executor.unsafe_compute_mask_ptr([(s.matcher, j) for j, s in enumerate(states)], bits.ctypes.data, num_words * 4, len(states))

@@ -283,3 +283,33 @@ def test_random_json_schemas_compile_and_every_answer_validates(llm: LLM, schema
         assert o.finish_reason in ("stop", "length")
         if o.finish_reason == "stop":
             _valid(o.text, schema)
+
+
+def test_validate_constraint_refuses_what_the_engine_would_and_loads_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from sluice.engine.structured import validate_constraint; "
+            "from sluice.engine.protocol import StructuredOutputs as S; "
+            "validate_constraint(S(json='{\"type\": \"object\"}')); assert 'torch' not in sys.modules")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from sluice.engine.structured import validate_constraint
+
+    for so in (StructuredOutputs(regex="("), StructuredOutputs(grammar="start: foo"), StructuredOutputs(json='{"type": "foo"}')):
+        with pytest.raises(InvalidRequestError) as e:
+            validate_constraint(so)
+        assert e.value.param == "structured_outputs"
+    validate_constraint(StructuredOutputs(grammar='start: "a" x\nx: %json {"type": "integer"}'))
+
+
+@pytest.mark.slow
+def test_smollm2_answers_follow_the_schema() -> None:
+    llm = LLM("smollm2", max_num_seqs=8)
+    convs = [[{"role": "user", "content": f"Describe {who} as a JSON object with name, age and tags."}]
+             for who in ("a pirate", "a cat", "my grandmother")]  # fmt: skip
+    for o in llm.chat(convs, _json(PERSON, max_tokens=80)):
+        assert o.finish_reason == "stop", o.text
+        _valid(o.text, PERSON)
+    (o,) = llm.chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+                    SamplingParams(max_tokens=5, temperature=0.0, structured=StructuredOutputs(choice=["yes", "no"])))
+    assert o.text in ("yes", "no") and o.finish_reason == "stop"
