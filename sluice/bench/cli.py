@@ -66,6 +66,8 @@ Out = Annotated[Path | None, typer.Option("--out", "-o", help="Write requests.cs
 Progress = Annotated[bool | None, typer.Option("--progress/--no-progress", help="Live progress on stderr (default: when stderr is a terminal).")]  # fmt: skip
 ExtraBody = Annotated[str | None, typer.Option(help='JSON merged into every request body, e.g. \'{"temperature": 0}\'.')]  # fmt: skip
 IgnoreEos = Annotated[bool | None, typer.Option("--ignore-eos/--no-ignore-eos", help="Ask for exactly max_tokens (vLLM/sluice extension; default on).")]  # fmt: skip
+ConstraintOpt = Annotated[str | None, typer.Option("--constraint", help="Constrained outputs: none, json_schema (response_format) or tools (tool_choice required).")]  # fmt: skip
+ConstrainedFraction = Annotated[float | None, typer.Option(help="Fraction of the requests that carry --constraint (default 1).")]  # fmt: skip
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -87,6 +89,7 @@ def _workload(contract: Contract | None, workload_file: Path | None, flags: dict
         Api,
         WorkloadSpec,
         load_trace,
+        parse_constraint,
         parse_length,
         parse_priority_mix,
         workload_from_dict,
@@ -122,6 +125,10 @@ def _workload(contract: Contract | None, workload_file: Path | None, flags: dict
         kw["trace"] = load_trace(flags["trace"])
     if flags["ignore_eos"] is not None:
         kw["ignore_eos"] = flags["ignore_eos"]
+    if flags.get("constraint") is not None:
+        kw["constraint"] = parse_constraint(flags["constraint"])
+    if flags.get("constrained_fraction") is not None:
+        kw["constrained_fraction"] = flags["constrained_fraction"]
     return WorkloadSpec(**kw)
 
 
@@ -234,6 +241,8 @@ def run_cmd(
     progress: Progress = None,
     extra_body: ExtraBody = None,
     ignore_eos: IgnoreEos = None,
+    constraint: ConstraintOpt = None,
+    constrained_fraction: ConstrainedFraction = None,
 ) -> None:
     """One load phase; reports every figure and checks the contract."""
     from sluice.bench.arrivals import LoadMode, LoadSpec
@@ -243,7 +252,7 @@ def run_cmd(
         given = [x for x in (concurrency, rate, users) if x is not None]
         if len(given) > 1:
             raise ValueError("give only one of --concurrency, --rate, --users")
-        flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=trace, ignore_eos=ignore_eos)  # fmt: skip
+        flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=trace, ignore_eos=ignore_eos, constraint=constraint, constrained_fraction=constrained_fraction)  # fmt: skip
         if not given:
             preset = c.load if c is not None else {}
             concurrency, rate, users = (preset.get(k) for k in ("concurrency", "rate", "users"))
@@ -294,6 +303,8 @@ def sweep_cmd(
     progress: Progress = None,
     extra_body: ExtraBody = None,
     ignore_eos: IgnoreEos = None,
+    constraint: ConstraintOpt = None,
+    constrained_fraction: ConstrainedFraction = None,
 ) -> None:
     """One phase per load level; finds the highest load at which the contract holds."""
     from sluice.bench.arrivals import LoadMode, LoadSpec
@@ -309,7 +320,7 @@ def sweep_cmd(
             loads = [LoadSpec(LoadMode.CLOSED, concurrency=int(x)) for x in levels]
         else:
             loads = [LoadSpec(LoadMode.POISSON, rate=x) for x in parse_levels(str(rates), "--rates")]
-        flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=None, ignore_eos=ignore_eos)  # fmt: skip
+        flags = dict(api=api, input_len=input_len, output_len=output_len, prefix_groups=prefix_groups, prefix_len=prefix_len, priority_mix=priority_mix, trace=None, ignore_eos=ignore_eos, constraint=constraint, constrained_fraction=constrained_fraction)  # fmt: skip
         cfg = _config(
             url=url, model=model, api_key=api_key, contract=_load_contract(contract),
             workload_file=workload, flags=flags, loads=lambda _: loads, is_sweep=True, max_requests=max_requests,

@@ -19,14 +19,29 @@ import msgspec
 
 from sluice.bench.record import RequestRecord
 from sluice.bench.sse import SSEDecoder
-from sluice.bench.workload import Api, RequestSpec
+from sluice.bench.workload import Api, Constraint, RequestSpec, constraint_body
 
 __all__ = ["OpenAIStreamClient", "StreamChunk", "build_body", "decode_chunk", "error_text"]
+
+
+class _Function(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function | None = None
 
 
 class _Delta(msgspec.Struct):
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+    def tool_text(self) -> str | None:
+        """A tool-call delta's name and arguments: output like content (a tools workload)."""
+        fns = [t.function for t in self.tool_calls or [] if t.function is not None]
+        return "".join((f.name or "") + (f.arguments or "") for f in fns) or None
 
 
 class _Choice(msgspec.Struct):
@@ -34,7 +49,9 @@ class _Choice(msgspec.Struct):
     text: str | None = None  # completions
 
     def output_text(self) -> str | None:
-        return self.text if self.delta is None else (self.delta.content or self.delta.reasoning_content)
+        if self.delta is None:
+            return self.text
+        return self.delta.content or self.delta.reasoning_content or self.delta.tool_text()
 
 
 class _Usage(msgspec.Struct):
@@ -71,7 +88,9 @@ def build_body(spec: RequestSpec, api: Api, model: str, ignore_eos: bool, extra:
     else:
         body["prompt"] = spec.prompt
     body["stream_options"] = {"include_usage": True}
-    if ignore_eos:
+    if spec.constraint is not Constraint.NONE:
+        body.update(constraint_body(spec.constraint))  # and no ignore_eos: the grammar ends the answer
+    elif ignore_eos:
         body["ignore_eos"] = True
     body.update(extra)
     return body

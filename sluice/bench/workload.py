@@ -17,7 +17,11 @@ Kinds of workload (combinable where it makes sense):
 - priority mix: fractions of p0/p1/p2, sent as ``x-priority``;
 - trace replay: a JSONL file, one request per line with ``timestamp`` (seconds,
   optional), ``prompt`` or ``prompt_len``/``input_len``, ``max_tokens``/``output_len``,
-  optional ``priority``.
+  optional ``priority``;
+- constrained outputs: ``constraint`` ``json_schema`` (OpenAI ``response_format``
+  with ``BENCH_SCHEMA``) or ``tools`` (``BENCH_TOOLS`` with ``tool_choice: required``,
+  chat only) on a ``constrained_fraction`` of the requests (docs/structured_outputs.md).
+  A constrained request is not sent ``ignore_eos``: its answer ends with its grammar.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ from sluice.types import Priority, parse_priority
 
 __all__ = [
     "Api",
+    "Constraint",
+    "BENCH_SCHEMA",
+    "BENCH_TOOLS",
+    "constraint_body",
+    "parse_constraint",
     "LengthKind",
     "LengthDist",
     "RequestSpec",
@@ -69,6 +78,53 @@ class Api(str, enum.Enum):
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self is Api.CHAT else "/v1/completions"
+
+
+class Constraint(str, enum.Enum):
+    """What a request's output is held to; values match the ``--constraint`` flag."""
+
+    NONE = "none"
+    JSON_SCHEMA = "json_schema"
+    TOOLS = "tools"
+
+
+# a record of a few typed, bounded fields: what a typical extraction request asks for
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 64},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "genre": {"type": "string", "enum": ["drama", "comedy", "documentary", "thriller"]},
+        "rating": {"type": "number", "minimum": 0, "maximum": 10},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    },
+    "required": ["title", "year", "genre", "rating", "tags"],
+    "additionalProperties": False,
+}
+BENCH_TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 40},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search_flights", "description": "Flights between two airports.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                          "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                          "date": {"type": "string", "pattern": "^2[0-9]{3}-[01][0-9]-[0-3][0-9]$"}},
+                                          "required": ["origin", "destination", "date"],
+                                          "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def constraint_body(c: Constraint) -> dict[str, Any]:
+    """The request fields that ask for the constraint (OpenAI's shapes)."""
+    if c is Constraint.JSON_SCHEMA:
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "bench_record", "schema": BENCH_SCHEMA, "strict": True}}}
+    if c is Constraint.TOOLS:
+        return {"tools": BENCH_TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    return {}
 
 
 class LengthKind(str, enum.Enum):
@@ -203,6 +259,7 @@ class RequestSpec:
     priority: Priority = Priority.P1
     prefix_group: int | None = None  # shared-prefix workload: which system prompt
     send_at_s: float | None = None  # trace replay: seconds after the start
+    constraint: Constraint = Constraint.NONE  # what its output is held to
 
 
 @dataclass(frozen=True)
@@ -226,8 +283,14 @@ class WorkloadSpec:
     priority_mix: dict[Priority, float] = field(default_factory=lambda: {Priority.P1: 1.0})
     trace: tuple[TraceEntry, ...] = ()  # non-empty: replay these, ignore the length dists
     ignore_eos: bool = True  # ask the server for exactly max_tokens (vLLM, sluice honour it)
+    constraint: Constraint = Constraint.NONE
+    constrained_fraction: float = 1.0  # of the requests that carry the constraint
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.constrained_fraction <= 1.0:
+            raise ValueError(f"constrained_fraction must be in [0, 1], got {self.constrained_fraction}")
+        if self.constraint is Constraint.TOOLS and self.api is Api.COMPLETIONS:
+            raise ValueError("a tools workload needs the chat API")
         if self.prefix_groups < 0 or self.prefix_len < 0:
             raise ValueError("prefix groups and prefix length must be >= 0")
         if self.prefix_groups > 0 and self.prefix_len < 1:
@@ -247,11 +310,19 @@ def generate_requests(spec: WorkloadSpec, seed: int = 0) -> Iterator[RequestSpec
     ]
     classes = list(spec.priority_mix)
     weights = [spec.priority_mix[p] for p in classes]
+    # its own stream, so that a constraint leaves the prompts, lengths and classes as they were
+    constraint_rng = random.Random(f"{seed}-constraint")
+
+    def constraint() -> Constraint:
+        if spec.constraint is Constraint.NONE or constraint_rng.random() >= spec.constrained_fraction:
+            return Constraint.NONE
+        return spec.constraint
+
     if spec.trace:
         for i, e in enumerate(spec.trace):
             prio = e.priority if e.priority is not None else rng.choices(classes, weights)[0]
             prompt = e.prompt if e.prompt is not None else _words(rng, e.prompt_len)
-            yield RequestSpec(i, prompt, e.prompt_len, e.max_tokens, prio, None, e.timestamp_s)
+            yield RequestSpec(i, prompt, e.prompt_len, e.max_tokens, prio, None, e.timestamp_s, constraint())
         return
     i = 0
     while True:
@@ -264,7 +335,7 @@ def generate_requests(spec: WorkloadSpec, seed: int = 0) -> Iterator[RequestSpec
             prompt, n_total = prefixes[group] + "\n\n" + body, spec.prefix_len + n_in
         else:
             prompt, n_total = body, n_in
-        yield RequestSpec(i, prompt, n_total, n_out, prio, group, None)
+        yield RequestSpec(i, prompt, n_total, n_out, prio, group, None, constraint())
         i += 1
 
 
@@ -316,7 +387,7 @@ def load_trace(path: str | Path) -> tuple[TraceEntry, ...]:
 
 _WORKLOAD_KEYS = {
     "api", "input_len", "output_len", "prefix_groups", "prefix_len",
-    "priority_mix", "trace", "ignore_eos",
+    "priority_mix", "trace", "ignore_eos", "constraint", "constrained_fraction",
 }  # fmt: skip
 
 
@@ -346,4 +417,15 @@ def workload_from_dict(d: dict[str, Any], base_dir: Path | None = None) -> dict[
         out["trace"] = load_trace(tp if tp.is_absolute() or base_dir is None else base_dir / tp)
     if "ignore_eos" in d:
         out["ignore_eos"] = bool(d["ignore_eos"])
+    if "constraint" in d:
+        out["constraint"] = parse_constraint(str(d["constraint"]))
+    if "constrained_fraction" in d:
+        out["constrained_fraction"] = float(d["constrained_fraction"])
     return out
+
+
+def parse_constraint(text: str) -> Constraint:
+    try:
+        return Constraint(text)
+    except ValueError:
+        raise ValueError(f"invalid constraint {text!r}: expected none, json_schema or tools") from None

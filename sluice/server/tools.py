@@ -379,10 +379,10 @@ class ToolCallParser:
                 fn = self.calls[-1]["function"]
                 j = self.buf.find(CALL_CLOSE)
                 if j == -1:
-                    k = self.buf.rfind("}")
-                    if k > 0:
-                        self._args(fn, self.buf[:k], deltas)
-                        self.buf = self.buf[k:]
+                    k = self.buf.rfind("}")  # from the last '}' on may be the call's own closing
+                    k = len(self.buf) if k == -1 else k
+                    self._args(fn, self.buf[:k], deltas)
+                    self.buf = self.buf[k:]
                     break
                 tail = self.buf[:j].rstrip()
                 if tail.endswith("}"):
