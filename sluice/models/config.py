@@ -8,7 +8,7 @@ GGUF's metadata).
     llama, mistral   RMSNorm, rotary, GQA, SwiGLU (llama3/linear/yarn/dynamic rope scaling)
     qwen2            + bias on q/k/v
     qwen3            + RMSNorm of q and k per head
-    phi3             fused qkv and gate_up in the checkpoint, partial rotary
+    phi3             fused qkv and gate_up in the checkpoint, partial rotary, longrope
     gemma2, gemma3   norms stored as w - 1, GeGLU, embeddings scaled by sqrt(hidden),
                      sandwich norms, soft-capping, sliding-window layers between global ones
     qwen3_moe        qwen3 attention + mixture-of-experts MLP (softmax, top-k, renormalised)
@@ -230,12 +230,32 @@ class ModelConfig:
             return _yarn(inv, rs, dim, theta, self.max_position_embeddings)
         if kind == "dynamic":
             return inv  # NOTE(dynamic-rope): scaled per position past the trained context, see rope_tables
-        raise ValueError(f"unsupported rope_scaling type {kind!r}: use linear, llama3, yarn or dynamic")
+        if kind == "longrope":  # phi3: the short factors inside the trained context (long ones: rope_tables)
+            return self.longrope_inv_freq("short_factor")
+        raise ValueError(f"unsupported rope_scaling type {kind!r}: use linear, llama3, yarn, dynamic or longrope")
+
+    def longrope_inv_freq(self, which: str) -> list[float]:
+        rs = self.rope_scaling or {}
+        factors = [float(f) for f in rs[which]]
+        dim = self.rotary_dim
+        if len(factors) != dim // 2:
+            raise ValueError(f"rope_scaling.{which} has {len(factors)} factors, expected rotary_dim/2 = {dim // 2}")
+        return [1.0 / (f * self.rope_theta ** (i / dim)) for f, i in zip(factors, range(0, dim, 2))]
+
+    def rope_original_context(self) -> int:
+        rs = self.rope_scaling or {}
+        return int(rs.get("original_max_position_embeddings") or self.max_position_embeddings)
 
     def rope_attention_factor(self) -> float:
-        """yarn's cos/sin multiplier (1.0 otherwise)."""
+        """yarn's and longrope's cos/sin multiplier (1.0 otherwise)."""
         rs = self.rope_scaling
-        if not rs or rs.get("rope_type", rs.get("type")) != "yarn":
+        kind = rs.get("rope_type", rs.get("type")) if rs else None
+        if rs and kind == "longrope":
+            if rs.get("attention_factor") is not None:
+                return float(rs["attention_factor"])
+            factor = float(rs.get("factor") or self.max_position_embeddings / self.rope_original_context())
+            return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(self.rope_original_context()))
+        if not rs or kind != "yarn":
             return 1.0
         if rs.get("attention_factor") is not None:
             return float(rs["attention_factor"])
@@ -275,6 +295,8 @@ def _rope(cfg: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None,
             rope_scaling = params
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
         rope_scaling = None
+    if rope_scaling and cfg.get("original_max_position_embeddings") and "original_max_position_embeddings" not in rope_scaling:
+        rope_scaling = {**rope_scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     if arch == "gemma3":
         rope_theta = rope_theta or 1_000_000.0
         local_theta = float(local_theta or 10_000.0)

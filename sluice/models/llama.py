@@ -258,14 +258,19 @@ def rope_tables(
     pos = torch.arange(max_positions, dtype=torch.float32, device=device)
     freqs = torch.outer(pos, inv_freq)  # (P, R/2)
     rs = None if local else cfg.rope_scaling
-    if rs and rs.get("rope_type", rs.get("type")) == "dynamic":
-        # NOTE(dynamic-rope): transformers rescales the base for the whole sequence once it
-        # outgrows the trained context (so every cached key's rotation would change); here
-        # position p past the context gets the base transformers uses for a sequence of p + 1
-        # tokens, fixed once written: the same rotations inside the trained context, a
-        # rotation per position that never changes beyond it.
-        old = int(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)
-        factor, dim = float(rs["factor"]), cfg.rotary_dim
+    kind = rs.get("rope_type", rs.get("type")) if rs else None
+    # NOTE(dynamic-rope): transformers rescales the rotations (dynamic: the base; phi3's longrope:
+    # the long factors) of the whole sequence once it outgrows the trained context, so every cached
+    # key's rotation would change.  Here each position keeps one rotation, fixed once written: the
+    # same as transformers' inside the trained context; past it, position p gets what transformers
+    # uses for a sequence of p + 1 tokens (vLLM's longrope mixes the two sets the same way).
+    if kind == "longrope" and max_positions > cfg.rope_original_context():
+        old = cfg.rope_original_context()
+        long_inv = torch.tensor(cfg.longrope_inv_freq("long_factor"), dtype=torch.float32, device=device)
+        freqs[old:] = torch.outer(pos[old:], long_inv)
+    if kind == "dynamic":
+        old = int(rs.get("original_max_position_embeddings") or cfg.max_position_embeddings)  # type: ignore[union-attr]
+        factor, dim = float(rs["factor"]), cfg.rotary_dim  # type: ignore[index]
         if max_positions > old:
             p = torch.arange(old, max_positions, dtype=torch.float64)
             base = cfg.rope_theta * ((factor * (p + 1) / old) - (factor - 1)) ** (dim / (dim - 2))  # (P',)

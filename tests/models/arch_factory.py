@@ -40,7 +40,7 @@ ARCHS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": 6}),  # every layer sliding
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 32}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"head_dim": 16}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", {
         "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "tie_word_embeddings": True,
         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0, "hidden_activation": "gelu_pytorch_tanh"}),

@@ -55,3 +55,26 @@ def test_dynamic_rope_past_the_context_rotates_each_position_once() -> None:
     assert torch.equal(cos[:32], cos0[:32]), "inside the trained context: the unscaled rotations"
     assert not torch.allclose(cos[40:], cos0[40:]), "past it: a larger base (NTK), slower rotations"
     assert torch.equal(rope_tables(cfg, 48)[0], cos[:48]), "a position's rotation does not depend on the table size"
+
+
+def test_phi3_longrope_with_partial_rotary_matches_transformers(tmp_path: Path) -> None:
+    # Phi-3.5/Phi-4-mini's layout: longrope factors over a rotary fraction of each head, inside the
+    # trained context (32 here; NOTE(dynamic-rope) for past it)
+    rot = int(16 * 0.75)
+    g = torch.Generator().manual_seed(1)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 32,
+            "short_factor": (1 + torch.rand(rot // 2, generator=g)).tolist(),
+            "long_factor": (2 + 4 * torch.rand(rot // 2, generator=g)).tolist()}  # fmt: skip
+    d = make_arch_dir(tmp_path / "phi3", "phi3", max_position_embeddings=128, original_max_position_embeddings=32,
+                      rope_parameters=rope)
+    model = load_model(resolve_model(str(d)), torch.float32)
+    assert model.cfg.rotary_dim == rot and model.cfg.rope_attention_factor() > 1.0
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf_model(d)(ids[None]).logits[0]
+    got = model.compute_logits(model(ids, torch.arange(30), reference_attention(model.cfg.head_dim**-0.5)))
+    assert (got - ref).abs().max().item() <= 1e-3
+    cos, _ = rope_tables(model.cfg, 64)
+    short = ModelConfig(**{**model.cfg.__dict__, "max_position_embeddings": 32})
+    assert not torch.allclose(cos[40:], rope_tables(short, 64)[0][40:]), "past the trained context: the long factors"
