@@ -1,0 +1,139 @@
+"""The draft model: a second model in the same engine core, with its own paged KV cache.
+
+    target KV cache   [num_blocks, 16, Hkv,  D ]   per layer      one block table per request,
+    draft  KV cache   [num_blocks, 16, Hkv', D']   per layer      used by both caches
+
+NOTE(draft-blocks): the draft's cache has as many blocks as the target's and a
+request's block ids index both, so the block manager's allocation serves the
+draft too, and freeing the request frees its draft K/V with it: no second
+allocator, no second table.  A shared prefix block holds the draft K/V of the
+request that computed it, which is the same for every request (same tokens,
+same weights, batch-invariant kernels).
+
+What the draft has computed is its own progress (``DraftState.num_computed``):
+each step it catches up on the tokens the target accepted since its last
+step (the whole prompt the first time: drafting starts with a draft prefill),
+then drafts one token per step of its own.  Its drafts past what the target
+accepts are overwritten the next time, like the target's rejected K/V.
+
+``self:q4`` loads the target's checkpoint again as 4-bit weights: a GGUF's own
+quantized weights, or a float checkpoint quantized to int4 at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.attention import AttentionMetadata, make_attention_backend
+from sluice.engine.config import BLOCK_SIZE, EngineConfig
+from sluice.engine.kv_quant import KVCache, resolve_kv_format
+from sluice.engine.step_model import StepTimeModel
+from sluice.errors import ConfigError
+from sluice.models.loader import ModelSource, load_model, resolve_model
+
+__all__ = ["DraftModel", "DraftRow", "draft_source"]
+
+log = logging.getLogger("sluice.engine")
+
+
+def draft_source(model: str, target: ModelSource) -> tuple[ModelSource, str]:
+    """(source, quantization) of the draft model named by the config's ``model``."""
+    from sluice.engine.spec.config import SELF_Q4
+
+    if model == SELF_Q4:
+        return target, "gguf" if target.kind == "gguf" else "int4"
+    try:
+        return resolve_model(model), "auto"
+    except Exception as e:  # noqa: BLE001 -- whatever the loader says, one line naming the setting
+        raise ConfigError(f"speculative_config: draft model {model!r}: {e}", setting="speculative_config") from None
+
+
+@dataclass
+class DraftRow:
+    """One request's draft work this step."""
+
+    token_ids: Sequence[int]  # its tokens (prompt + output)
+    num_computed: int  # tokens the draft has K/V for (< len(token_ids))
+    block_ids: Sequence[int]  # its block table (blocks for every position the draft writes)
+    num_drafts: int  # tokens to draft (>= 1)
+
+
+class DraftModel:
+    """Loads the draft model and runs its steps; makes no policy decision (the proposer does)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, quantization: str, num_blocks: int,
+                 dtype: torch.dtype, vocab_size: int):  # fmt: skip
+        from sluice.kernels.autotune import plan_kernels
+
+        t0 = time.monotonic()
+        self.device = torch.device(config.device)
+        self.model = load_model(source, dtype, config.device, max_model_len=config.max_model_len,
+                                quantization=quantization, quant_fallback="none")  # fmt: skip
+        plan_kernels(self.model)
+        cfg = self.model.cfg
+        if cfg.vocab_size != vocab_size:
+            raise ConfigError(f"speculative_config: the draft model's vocabulary ({cfg.vocab_size}) is not the "
+                              f"target's ({vocab_size}): they must share a tokenizer", setting="speculative_config")  # fmt: skip
+        self.kv_format = resolve_kv_format(config.kv_cache_dtype, dtype)
+        self.kv_cache = KVCache(self.kv_format, cfg.num_layers, num_blocks, cfg.num_kv_heads, cfg.head_dim,
+                                BLOCK_SIZE, self.device)  # fmt: skip
+        self.attention = make_attention_backend(config.attention_backend, config.device, self.kv_cache, cfg.head_dim**-0.5)
+        self.step_model = StepTimeModel()  # the draft's own steps (the adaptive policy's draft cost)
+        self.num_steps = 0
+        log.info("draft model %s (%s) loaded in %.1fs, KV cache %.1f MiB", source.path, quantization,
+                 time.monotonic() - t0, self.kv_cache.num_bytes / 2**20)  # fmt: skip
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[tuple[Sequence[int], int, int, Sequence[int]]]) -> torch.Tensor:
+        """One draft step: for each row (token_ids, start, num_new, block_ids) compute tokens
+        ``token_ids[start : start + num_new]``; returns the logits of each row's last one: (rows, vocab)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        for tokens, start, n, blocks in rows:
+            ids.extend(tokens[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+        num_blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+        bt = torch.zeros((len(rows), max(num_blocks)), dtype=torch.int32)
+        for i, (_, _, _, blocks) in enumerate(rows):
+            bt[i, : num_blocks[i]] = torch.tensor(list(blocks[: num_blocks[i]]), dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=bt.to(dev),
+            num_blocks_per_seq=num_blocks,
+            query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        )
+        t0 = time.monotonic()
+        ftz = self.device.type == "cpu" and torch.set_flush_denormal(True)  # NOTE(denormals) in model_runner
+        try:
+            self.attention.set_metadata(meta)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(positions, dtype=torch.long, device=dev), self.attention)  # fmt: skip
+            logits = self.model.compute_logits(hidden[[q - 1 for q in qsl[1:]]]).float()  # (rows, vocab)
+        finally:
+            if ftz:
+                torch.set_flush_denormal(False)
+        self.step_model.observe(len(ids), time.monotonic() - t0, len(rows))
+        self.num_steps += 1
+        return logits
+
+    def cost(self, depth: int, num_rows: int) -> float:
+        """Seconds of the draft step at ``depth`` for ``num_rows`` rows (the adaptive policy's draft cost)."""
+        del depth
+        m = self.step_model
+        return 0.0 if num_rows <= 0 else m.base + (m.per_token + m.per_seq) * num_rows
