@@ -210,9 +210,10 @@ def start_sluice(args: argparse.Namespace, variant: str = "sluice", more_flags: 
            "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
            "--max-queued-requests", "4096", *extra, *more_flags]
     # NOTE(no-shedding): a capacity comparison: every request is served, as the
-    # peers do (they never shed); admission by predicted wait (--slo, on by
-    # default) would turn part of a closed-loop c=32 burst away with 429s.
-    # benchmarks/overload.py measures that behaviour.
+    # peers do (they never shed), and admission's prediction costs nothing here.
+    # Default flags serve a single-class closed loop too (NOTE(lone-class) in
+    # sluice/server/admission.py; benchmarks/closed_loop.py compares the two);
+    # benchmarks/overload.py measures admission under a class mix.
     cmd += ["--slo", "off"]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", args.kv_cache_memory]

@@ -22,7 +22,8 @@ while another class is active beside the request's: for P1 and P2 a higher
 class, for P0 a lower one (active: queued here, in the engine, or admitted in
 the last ``ACTIVE_WINDOW_S``).  A class alone is queued and served, as vLLM
 and llama-server serve it, and refused only past ``max_queue_wait`` or by
-the hard bounds.  Derived from an idle engine's TTFT, a lone class's target
+the hard bounds (60 s by default: the read timeout of nginx's proxy and of
+common load balancers, past which a first token reaches few clients).  Derived from an idle engine's TTFT, a lone class's target
 protects nobody: no other class waits for it to step aside.  Held to it, a
 closed loop of 32 P1 streams (128-token prompts) got 108 of 128 requests
 refused on a 2.00 s target while ``--slo off`` served all 128 at a p95 TTFT

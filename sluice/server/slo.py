@@ -11,7 +11,9 @@ P0 / P1 / P2, the unloaded TTFT coming from the engine's measured step time.
 A user who configures nothing gets P0 held to four times what an idle engine
 does for that very prompt (the engine bounds its step time to match, see
 ``EngineCore``'s NOTE(step-cap)), and a long prompt on a slow machine is not
-rejected for a target no idle engine could meet.
+rejected for a target no idle engine could meet.  A derived target binds only while another
+class is active beside the request's (NOTE(lone-class) in ``sluice.server.admission``): a class
+alone is queued and served up to the server's longest wait.
 
 The prediction (``predict_ttft``) is a model of the scheduler
 (``sluice.engine.scheduler``) fed with the engine's measured step time
