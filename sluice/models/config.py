@@ -226,6 +226,10 @@ class ModelConfig:
             return [x / f for x in inv]
         if kind == "llama3":
             return _llama3(inv, rs)
+        if kind == "freq_factors":  # a GGUF's rope_freqs tensor (llama.cpp's form of llama3 scaling)
+            if len(rs["factors"]) != len(inv):
+                raise ValueError(f"rope_freqs has {len(rs['factors'])} factors, expected rotary_dim/2 = {len(inv)}")
+            return [x / float(f) for x, f in zip(inv, rs["factors"])]
         if kind == "yarn":
             return _yarn(inv, rs, dim, theta, self.max_position_embeddings)
         if kind == "dynamic":

@@ -113,6 +113,18 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
     elif stype == "yarn":
         cfg["rope_scaling"] = {"rope_type": "yarn", "factor": factor,
                                "original_max_position_embeddings": int(opt("rope.scaling.original_context_length", 0) or cfg["max_position_embeddings"])}  # fmt: skip
+    by_name = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in by_name:  # llama3 scaling as llama.cpp stores it: a divisor per frequency
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": _floats(by_name["rope_freqs.weight"])}
+    if "rope_factors_long.weight" in by_name and "rope_factors_short.weight" in by_name:  # phi3 longrope
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _floats(by_name["rope_factors_long.weight"]),
+            "short_factor": _floats(by_name["rope_factors_short.weight"]),
+            "original_max_position_embeddings": int(opt("rope.scaling.original_context_length", 0) or 4096),
+        }
+        if opt("rope.scaling.attn_factor") is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(opt("rope.scaling.attn_factor"))
     if arch in ("gemma2", "gemma3"):
         # NOTE(gguf-gemma-scale): GGUF has no query_pre_attn_scalar; llama.cpp scales by hidden/heads for
         # the 27B models (46 and 62 layers) and by head_dim otherwise, and so do we
@@ -132,6 +144,12 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
         cfg["moe_intermediate_size"] = int(opt("expert_feed_forward_length", 0) or cfg["intermediate_size"])
         cfg["norm_topk_prob"] = bool(opt("expert_weights_norm", _GGUF_NORM_TOPK.get(arch, False)))
     return cfg
+
+
+def _floats(tensor: Any) -> list[float]:
+    import numpy as np
+
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
 
 
 _GGUF_LAYER_NAMES = {

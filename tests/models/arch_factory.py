@@ -11,6 +11,7 @@ name map, q/k rows permuted for llama-family models, gemma norms stored as w + 1
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,16 @@ def write_arch_gguf(hf_dir: Path, path: Path, linear_type: str = "Q8_0", embed_t
     if rp.get("rope_type") == "linear":
         w.add_string(f"{garch}.rope.scaling.type", "linear")
         w.add_float32(f"{garch}.rope.scaling.factor", float(rp["factor"]))
+    dim = u32["rope.dimension_count"]
+    if rp.get("rope_type") == "llama3":  # llama.cpp's converter: a divisor per frequency, as a tensor
+        w.add_tensor("rope_freqs.weight", _llama3_factors(rp, dim, float(rp.get("rope_theta", 10000.0))))
+    if rp.get("rope_type") == "longrope":  # phi3's converter
+        orig = int(cfg.get("original_max_position_embeddings") or rp["original_max_position_embeddings"])
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
+        w.add_uint32(f"{garch}.rope.scaling.original_context_length", orig)
+        w.add_float32(f"{garch}.rope.scaling.attn_factor", math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key):
             w.add_float32(f"{garch}.{key}", float(cfg[key]))
@@ -172,6 +183,22 @@ def write_arch_gguf(hf_dir: Path, path: Path, linear_type: str = "Q8_0", embed_t
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _llama3_factors(rp: dict[str, Any], dim: int, base: float) -> np.ndarray:
+    factor, low, high = float(rp["factor"]), float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
+    old = float(rp.get("original_max_position_embeddings", 8192))
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / dim))
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 def _add(w: Any, tmap: Any, hf: str, arr: np.ndarray, qtype: str, quants: Any, types: Any) -> None:

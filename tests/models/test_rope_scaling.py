@@ -78,3 +78,26 @@ def test_phi3_longrope_with_partial_rotary_matches_transformers(tmp_path: Path) 
     cos, _ = rope_tables(model.cfg, 64)
     short = ModelConfig(**{**model.cfg.__dict__, "max_position_embeddings": 32})
     assert not torch.allclose(cos[40:], rope_tables(short, 64)[0][40:]), "past the trained context: the long factors"
+
+
+@pytest.mark.parametrize("name", ["llama3", "longrope"])
+def test_gguf_rope_factor_tensors_equal_the_hf_folder(tmp_path: Path, name: str) -> None:
+    """llama.cpp stores llama3 scaling as ``rope_freqs.weight`` and phi3's longrope as ``rope_factors_*``."""
+    from arch_factory import write_arch_gguf
+
+    if name == "llama3":
+        d = make_arch_dir(tmp_path / name, "llama", max_position_embeddings=64,
+                          rope_parameters={"rope_theta": 10000.0, **SCALINGS["llama3"]})  # fmt: skip
+    else:
+        g = torch.Generator().manual_seed(1)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "short_factor": (1 + torch.rand(8, generator=g)).tolist(), "long_factor": (2 + torch.rand(8, generator=g)).tolist()}  # fmt: skip
+        d = make_arch_dir(tmp_path / name, "phi3", max_position_embeddings=128, original_max_position_embeddings=32,
+                          rope_parameters=rope)  # fmt: skip
+    gguf_path = write_arch_gguf(d, tmp_path / f"{name}.gguf", "F32")
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for src in (d, gguf_path):
+        m = load_model(resolve_model(str(src)), torch.float32)
+        logits.append(m.compute_logits(m(ids, torch.arange(30), reference_attention(m.cfg.head_dim**-0.5))))
+    assert (logits[0] - logits[1]).abs().max().item() <= 1e-4, f"{name}: the GGUF's rope factors give other logits"
