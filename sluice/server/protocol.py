@@ -46,12 +46,14 @@ class TextPart(_Strict):
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+    parsed_arguments: Any = None  # the openai client's own, on a replayed message: ignored
 
 
 class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # left on a call accumulated from a stream: ignored
 
 
 class FunctionDef(_Strict):
@@ -81,7 +83,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    refusal: str | None = None  # sent back by clients that replay an assistant message
+    # NOTE(replayed-message): the openai client sends an answer's message back as it came,
+    # with its response-only fields; they are taken and ignored
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    parsed: Any = None
 
     def text(self) -> str:
         if self.content is None:

@@ -148,7 +148,8 @@ class ChatRenderer(Renderer):
             self._role_sent.add(i)
             delta["role"] = "assistant"
         if d.text or "role" in delta:
-            delta["content"] = d.text
+            # an answer that may be only calls opens with null content, as OpenAI's do
+            delta["content"] = d.text or (None if d.choice.tools is not None else "")
         if d.calls:
             delta["tool_calls"] = [c.to_openai() for c in d.calls]
         return {

@@ -234,8 +234,15 @@ def test_openai_stream_helper_accumulates_a_valid_call(client: openai.OpenAI) ->
     with client.chat.completions.stream(model="fake", messages=[{"role": "user", "content": f"SAY<<{say}>>SAY"}],
                                         tools=[TIME], tool_choice="required") as s:  # type: ignore[list-item]
         final = s.get_final_completion()
-    call = final.choices[0].message.tool_calls[0]  # type: ignore[index]
+    message = final.choices[0].message
+    call = message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "UTC"}
+    assert message.content is None, "a streamed answer with only calls has no content"
+    # the next turn sends the message back as the client built it (NOTE(replayed-message))
+    messages = [{"role": "user", "content": "SAY<<It is noon.>>SAY"}, message,
+                {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]  # fmt: skip
+    r = client.chat.completions.create(model="fake", messages=messages, tools=[TIME])  # type: ignore[arg-type,list-item]
+    assert r.choices[0].message.content == "It is noon."
 
 
 def test_a_history_with_calls_and_results_is_rendered_with_the_default_tool_prompt(server: ServerThread) -> None:
