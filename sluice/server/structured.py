@@ -15,8 +15,9 @@ anything reaches the engine.
 NOTE(validate-here): llguidance is imported lazily and a validation runs
 without a tokenizer (a grammar's own errors do not depend on the vocabulary);
 a ``GrammarValidator`` (one per server) remembers the texts it validated in a
-small bounded cache, since clients send the same schema over and over.  What the engine compiles is exactly what was
-validated: the same ``grammar_from_*`` helpers, the same default options.
+small bounded cache, since clients send the same schema over and over.  The
+engine compiles the same llguidance grammars (the same ``grammar_from_*``
+helpers), with its own fixed JSON separators, which change no verdict.
 """
 
 from __future__ import annotations
