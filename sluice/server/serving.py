@@ -40,7 +40,7 @@ from sluice.server.generation import Choice, Generation
 from sluice.server.lanes import AnyAdmission, AnyClient
 from sluice.server.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.render import SSE_DONE, ChatRenderer, CompletionRenderer, Renderer, sse_event
-from sluice.server.structured import GrammarValidator, build_structured
+from sluice.server.structured import GrammarValidator, build_structured, llguidance_grammar
 from sluice.server.telemetry import ServerMetrics, record_stages
 from sluice.server.tools import (
     ToolCallParser,
@@ -195,18 +195,13 @@ class OpenAIServing:
         if structured is not None:
             raise InvalidRequestError(f"{param} cannot be combined with tools unless tool_choice is 'none'",
                                       param=param)  # fmt: skip
-        grammar = tool_grammar(plan)
-
-        def make() -> str:
-            from llguidance import LLMatcher
-
-            return LLMatcher.grammar_from_lark(grammar)
-
-        verdict = self.grammars.reason("tools", grammar, make)
+        tools = StructuredOutputs(grammar=tool_grammar(plan))
+        assert tools.grammar is not None
+        verdict = self.grammars.reason("grammar", tools.grammar, lambda: llguidance_grammar(tools))
         if verdict:  # a function's parameters that llguidance cannot hold the arguments to
             raise InvalidRequestError(f"tools: a function's parameters schema is not supported: {verdict}",
                                       param="tools")  # fmt: skip
-        return StructuredOutputs(grammar=grammar), plan, "tools"
+        return tools, plan, "tools"
 
     def _is_native(self) -> bool:
         """Whether the chat template takes tools in sluice's call format (probed once)."""

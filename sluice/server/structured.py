@@ -16,8 +16,9 @@ NOTE(validate-here): llguidance is imported lazily and a validation runs
 without a tokenizer (a grammar's own errors do not depend on the vocabulary);
 a ``GrammarValidator`` (one per server) remembers the texts it validated in a
 small bounded cache, since clients send the same schema over and over.  The
-engine compiles the same llguidance grammars (the same ``grammar_from_*``
-helpers), with its own fixed JSON separators, which change no verdict.
+grammar checked is the one the engine compiles (``sluice.engine.structured.grammar_spec``,
+which loads no torch); this module adds the request fields, the parameter names,
+the cache and NOTE(warnings-are-errors).
 """
 
 from __future__ import annotations
@@ -128,23 +129,11 @@ def build_structured(
 
 
 def llguidance_grammar(so: StructuredOutputs) -> str:
-    """The llguidance grammar of a constraint (what the engine compiles for it)."""
-    from llguidance import LLMatcher, grammar_from
+    """The llguidance grammar of a constraint: the engine's own ``grammar_spec`` (torch-free), so what is
+    validated here is exactly what the engine compiles."""
+    from sluice.engine.structured import constraint_key, grammar_spec
 
-    kind = so.kind()
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
-    if kind == "json":
-        assert so.json is not None
-        return LLMatcher.grammar_from_json_schema(so.json)
-    if kind == "regex":
-        assert so.regex is not None
-        return LLMatcher.grammar_from_regex(so.regex)
-    if kind == "choice":
-        assert so.choice is not None
-        return grammar_from("choice", json.dumps(so.choice))
-    assert so.grammar is not None
-    return grammar_from("grammar", so.grammar)  # llguidance Lark, or GBNF (converted)
+    return str(grammar_spec(*constraint_key(so)))
 
 
 class GrammarValidator:
