@@ -130,6 +130,7 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(None)
         self.fused = False  # set by LlamaForCausalLM.prepare()
+        self.fused_mlp = False  # the MLP alone on the fused C++ op (a layer whose attention is not plain)
         self.plain = cfg.is_plain and not cfg.is_sliding(idx) and not cfg.is_moe(idx)
         self.act = cfg.hidden_act
         self.qk_norm = cfg.qk_norm
@@ -166,6 +167,10 @@ class DecoderLayer(nn.Module):
         return self.plain and self.ops.fused is not None and all(
             lin.op is not None for lin in (self.qkv, self.o_proj, self.gate_up, self.down)
         )
+
+    def can_fuse_mlp(self) -> bool:
+        return (self.moe is None and not self.sandwich and self.act == "silu" and self.ops.fused is not None
+                and self.gate_up.op is not None and self.down.op is not None)  # fmt: skip
 
     def forward(
         self,
@@ -240,6 +245,8 @@ class DecoderLayer(nn.Module):
             hs = ops.rms_norm(x, self.pre_ffn_norm, self.eps)
             return x.add_(ops.rms_norm(self.mlp(hs), self.post_ffn_norm, self.eps))
         x = self.o_proj(attn, residual=x)
+        if self.moe is None and self.act == "silu" and self.fused_mlp:  # the plain MLP: one C++ call (qwen3, phi3)
+            return ops.fused.mlp(x, self.post_attn_norm, self.eps, self.gate_up.op, self.down.op)  # type: ignore[no-any-return]
         hs = ops.rms_norm(x, self.post_attn_norm, self.eps)
         if self.moe is not None:
             return self.moe(hs, lambda gu: ops.act_mul(gu, self.act), residual=x)
@@ -345,6 +352,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             dl = cast(DecoderLayer, layer)
             dl.fused = dl.can_fuse()
+            dl.fused_mlp = dl.can_fuse_mlp()
 
     def linears(self) -> dict[str, Linear]:
         """Every Linear of the model by module name (``layers.0.qkv``, ``embed``, ...)."""
@@ -391,6 +399,19 @@ class LlamaForCausalLM(nn.Module):
         logits = head(hidden).float()
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def summary(self) -> dict[str, Any]:
+        """What ``/v1/models`` and ``sluice doctor`` show of the model (the engine's ModelInfo carries it)."""
+        c = self.cfg
+        return {
+            "architecture": c.arch,
+            "num_parameters": c.num_parameters(),
+            "num_active_parameters": c.num_parameters(active=True),  # per token: top-k experts of MoE layers
+            "num_experts": c.num_experts,
+            "num_experts_per_token": c.num_experts_per_tok,
+            "weight_bytes": self.weight_bytes(),
+            "sliding_window": c.sliding_window,
+        }
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as served (packed quantized linears, float norms)."""

@@ -173,3 +173,19 @@ def test_a_model_larger_than_memory_fails_with_one_line(arch_dirs: dict[str, Pat
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
     with pytest.raises(ModelLoadError, match=r"weights need about .* GiB as served .* more than the 0\.0 GiB of memory available"):
         load_model(resolve_model(str(arch_dirs["qwen3_moe"])), torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_quantized_qwen3_and_phi3_run_on_the_fused_ops(arch_dirs: dict[str, Path], arch: str, tmp_path: Path) -> None:
+    g = write_arch_gguf(arch_dirs[arch], tmp_path / f"{arch}.gguf", "Q8_0")
+    model = load_model(resolve_model(str(g)), torch.float32, quantization="auto")
+    layers = list(model.layers)
+    if model.ops.fused is None:
+        pytest.skip("no C++ kernels here")
+    if arch == "phi3":  # its fused checkpoint tensors are the Llama layer: the whole layer on the C++ ops
+        assert all(layer.fused for layer in layers)
+    else:  # q/k norms: the attention through the torch sequence, the plain MLP on the fused op
+        assert all(not layer.fused and layer.fused_mlp for layer in layers)
+    summary = model.summary()
+    assert summary["architecture"] == arch and summary["num_parameters"] == summary["num_active_parameters"] > 0
+    assert 0 < summary["weight_bytes"] < 4 * summary["num_parameters"], "Q8_0: about a byte a weight, plus float norms"
