@@ -570,7 +570,7 @@ class EngineCore:
         if constrained:  # NOTE(mask-overlap) in structured: computed while the model runs
             masks = self.grammars.start_masks([g for _, g in constrained], self.runner.model_config.vocab_size)
             for j, (row, _) in enumerate(constrained):
-                row.allowed = functools.partial(masks.row, j)
+                row.mask_bias = functools.partial(masks.row, j)
         return rows
 
     # ------------------------------------------------------------ KV tiers

@@ -38,7 +38,8 @@ class SamplingRow:
     num_prompt_tokens: int
     generator: torch.Generator | None  # per-request, when seeded
     banned: list[int]  # token ids masked this step (EOS / stop ids under min_tokens)
-    allowed: Callable[[], torch.Tensor] | None = None  # the grammar's mask: (vocab,) bool, True = allowed (waits for it)
+    # the grammar's mask (waits for it): a (vocab,) float32 to add to the logits, 0 = allowed, -inf = not
+    mask_bias: Callable[[], torch.Tensor] | None = None
 
 
 def _argmax_kernel() -> Any:
@@ -64,13 +65,13 @@ class Sampler:
         n = logits.shape[0]
         logits = self._penalties(logits, rows)
         for i, r in enumerate(rows):
-            if r.allowed is not None:  # NOTE(grammar-mask)
-                allowed = r.allowed()
+            if r.mask_bias is not None:  # NOTE(grammar-mask)
+                logits[i].add_(r.mask_bias().to(logits.device, non_blocking=True))
                 if r.banned:
-                    keep = allowed.clone()
-                    keep[r.banned] = False
-                    allowed = keep if bool(keep.any()) else allowed
-                logits[i].masked_fill_(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+                    kept = logits[i, r.banned].clone()
+                    logits[i, r.banned] = float("-inf")
+                    if not bool(torch.isfinite(logits[i]).any()):  # the grammar allows only banned tokens: it wins
+                        logits[i, r.banned] = kept
             elif r.banned:
                 logits[i, r.banned] = float("-inf")
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

@@ -347,7 +347,8 @@ class MaskBatch:
 
     NOTE(mask-overlap): the masks depend only on the tokens accepted so far, which the step does not
     change until it is over, so they are computed while the forward pass runs; llguidance drops the GIL.
-    The sampler waits for them (``row(j)``): a (vocab,) bool tensor, True where a token is allowed.
+    The sampler waits for them (``row(j)``): a (vocab,) float32 tensor to add to the logits, 0 where a
+    token is allowed and -inf elsewhere (an add is ~10x cheaper than ``masked_fill_`` on the CPU).
     With jump-forward off, a row where the grammar forces a run allows only its first token, the
     token jump-forward would append (NOTE(jump-forward)).
     """
@@ -365,18 +366,16 @@ class MaskBatch:
         t0 = time.monotonic()
         bits = np.full((len(states), num_words), -1, dtype=np.int32)  # bit i of word w: token 32 * w + i
         executor.unsafe_compute_mask_ptr([(s.matcher, j) for j, s in enumerate(states)], bits.ctypes.data, num_words * 4, len(states))
-        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # (rows, words * 32)
-        allowed = torch.from_numpy(unpacked.view(np.bool_))
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (rows, words * 32)
         v = self._vocab_size
-        if allowed.shape[1] >= v:
-            allowed = allowed[:, :v]
-        else:  # an lm_head wider than llguidance's vocabulary: the rest is never allowed
-            allowed = torch.cat([allowed, allowed.new_zeros(len(states), v - allowed.shape[1])], dim=1)
+        bias = np.full((len(states), v), -np.inf, dtype=np.float32)  # an lm_head wider than llguidance's vocabulary:
+        n = min(v, allowed.shape[1])                                  # the ids past it are never allowed
+        bias[:, :n][allowed[:, :n]] = 0.0
         for j, s in enumerate(states):
             if not s.jump_forward and (ff := s.forced()) and ff[0] < v:
-                allowed[j].zero_()
-                allowed[j, ff[0]] = True
-        return allowed, time.monotonic() - t0
+                bias[j] = -np.inf
+                bias[j, ff[0]] = 0.0
+        return torch.from_numpy(bias), time.monotonic() - t0
 
     def row(self, j: int) -> torch.Tensor:
         if self._allowed is None:

@@ -23,7 +23,7 @@ def _logits(seed: int = 0) -> torch.Tensor:
 
 def _row(banned: list[int] | None = None, allowed: torch.Tensor | None = ALLOWED, gen: torch.Generator | None = None,
          **kw: object) -> SamplingRow:  # fmt: skip
-    mask = None if allowed is None else (lambda: allowed)
+    mask = None if allowed is None else (lambda: torch.where(allowed, 0.0, float("-inf")))
     return SamplingRow(SamplingParams(**kw), [0, 1, 5, 5], 2, gen, banned or [], mask)  # type: ignore[arg-type]
 
 
