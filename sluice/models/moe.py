@@ -70,6 +70,8 @@ class MoEBlock(nn.Module):
             ex = self.experts[e]
             ex.gate_up = make_linear([gate, up], invariant=invariant)
             ex.down = make_linear([down], invariant=invariant)
+            for w in (gate, up, down):  # NOTE(lazy-experts) in models/quant/gguf.py: packed, so unpacked can go
+                getattr(w, "release", lambda: None)()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(self.router(x), self.top_k, self.normalize)

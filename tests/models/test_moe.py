@@ -119,3 +119,27 @@ def test_a_requests_logits_do_not_depend_on_its_batch(quantized_moe: Any) -> Non
         att = flat_batch_attention([0, len(b), len(b) + 9], m.cfg.head_dim**-0.5)
         batched = m.compute_logits(m(ids, pos, att))[len(b):]
         assert torch.equal(batched, alone), f"logits changed when batched with {len(b)} other tokens"
+
+
+def test_gguf_experts_unpack_lazily_and_are_released_once_packed(moe_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from sluice.models.config import ModelConfig
+    from sluice.models.files import gguf_hf_config, gguf_reader
+    from sluice.models.llama import LlamaForCausalLM
+    from sluice.models.quant.gguf import LazyQuantWeight, gguf_quant_state_dict, qweight_from_blocks
+
+    g = write_arch_gguf(moe_dirs["olmoe"], tmp_path / "olmoe.Q8_0.gguf", "Q8_0")
+    reader = gguf_reader(g)
+    cfg = gguf_hf_config(reader, g)
+    sd = gguf_quant_state_dict(reader, g, cfg)
+    experts = {k: v for k, v in sd.items() if ".experts." in k}
+    assert len(experts) == 2 * 8 * 3 and all(isinstance(v, LazyQuantWeight) and not v.is_loaded for v in experts.values())
+    w = experts["model.layers.1.mlp.experts.5.down_proj.weight"]
+    stack = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    import numpy as np
+
+    eager = qweight_from_blocks(np.asarray(stack.data).reshape(8, -1)[5], "Q8_0", w.shape)
+    assert torch.equal(w.dequantize(), eager.dequantize()) and w.is_loaded
+    model = LlamaForCausalLM(ModelConfig.from_hf(cfg))
+    model.load_hf_state_dict(sd)
+    assert not any(v.is_loaded for v in experts.values()), "NOTE(lazy-experts): unpacked integers dropped once packed"
+    assert all(ex.down.is_quantized for layer in model.layers for ex in layer.moe.experts)

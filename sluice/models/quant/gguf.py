@@ -29,6 +29,7 @@ Vectorised numpy over row chunks: a 1B model unpacks in a few seconds.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ __all__ = [
     "qweight_from_blocks",
     "unpermute_rows",
     "gguf_quant_state_dict",
+    "LazyQuantWeight",
 ]
 
 # unpacker(blocks (nb, type_size) uint8) -> q (nb, block) uint8, d (nb, groups) f32, m (nb, groups) f32 | None
@@ -279,5 +281,54 @@ def _expert_matrices(tensor: Any) -> list[QuantWeight | torch.Tensor]:
         return [full[e].contiguous() for e in range(n_exp)]
     if qtype not in _FORMATS:
         raise _unsupported(tensor.name, qtype)
-    data = np.asarray(tensor.data).reshape(n_exp, -1)
-    return [qweight_from_blocks(data[e], qtype, (rows, cols), f"{tensor.name}[{e}]") for e in range(n_exp)]
+    _, block, nbytes, g, bits, z = _FORMATS[qtype]
+    if cols % block or np.asarray(tensor.data).size != n_exp * rows * (cols // block) * nbytes:
+        raise ModelLoadError(f"GGUF tensor {tensor.name}: its bytes do not hold a {qtype} stack of shape {shape}")
+    data = np.asarray(tensor.data).reshape(n_exp, -1)  # a view of the memory-mapped file: nothing read yet
+    return [
+        LazyQuantWeight(partial(qweight_from_blocks, data[e], qtype, (rows, cols), f"{tensor.name}[{e}]"),
+                        (rows, cols), bits, g, z, f"gguf:{qtype}")  # fmt: skip
+        for e in range(n_exp)
+    ]
+
+
+class LazyQuantWeight(QuantWeight):
+    """NOTE(lazy-experts): a ``QuantWeight`` whose integers are unpacked from the memory-mapped file
+    when first read, and dropped by ``release()`` once the kernels' packed copy exists.  A MoE
+    model's experts are most of its weights; unpacked all at once (a byte per weight, plus the
+    float scales) they would need about twice the file's size in memory before packing, so a
+    Qwen3-30B-A3B Q4 file (17 GB) would need ~40 GB to load.  Expert by expert, the peak is the
+    packed model plus one expert."""
+
+    def __init__(self, convert: Callable[[], QuantWeight], shape: tuple[int, int], bits: int, group_size: int,
+                 zero_point: int, source: str):  # fmt: skip
+        self._convert, self._shape, self._value = convert, shape, None
+        self.bits, self.group_size, self.zero_point, self.source = bits, group_size, zero_point, source
+
+    def _get(self) -> QuantWeight:
+        if self._value is None:
+            self._value = self._convert()
+        return self._value
+
+    @property  # type: ignore[override]
+    def q(self) -> torch.Tensor:
+        return self._get().q
+
+    @property  # type: ignore[override]
+    def d(self) -> torch.Tensor:
+        return self._get().d
+
+    @property  # type: ignore[override]
+    def m(self) -> torch.Tensor:
+        return self._get().m
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._value is not None
+
+    def release(self) -> None:
+        self._value = None
