@@ -132,6 +132,7 @@ def _parameters(t: Tool) -> dict[str, Any]:
     p = t.function.parameters
     schema: dict[str, Any] = _closed(p) if p is not None else {"type": "object", "properties": {},
                                                                  "additionalProperties": False}  # fmt: skip
+    schema.setdefault("type", "object")  # arguments are an object even when the schema leaves the type out
     schema["x-guidance"] = {**_ARGS_FORMAT, **schema.get("x-guidance", {})}
     return schema
 

@@ -91,6 +91,17 @@ def test_named_grammar_calls_only_that_function(matcher_for: Any) -> None:
     assert matcher_for(body, call_text("get_weather", {"city": "Paris", "unit": "celsius"}))[0] is False
 
 
+def test_arguments_are_an_object_even_without_parameters_or_type(matcher_for: Any) -> None:
+    for fn in ({"name": "ping"}, {"name": "ping", "parameters": {}}):
+        body = {"tools": [{"type": "function", "function": fn}], "tool_choice": "required"}
+        assert matcher_for(body, call_text("ping", {})) == (True, True)
+        assert matcher_for(body, '<tool_call>\n{"name": "ping", "arguments": 3')[0] is False
+    closed = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}], "tool_choice": "required"}  # fmt: skip
+    assert matcher_for(closed, call_text("f", {"a": 1})) == (True, True)
+    assert matcher_for(closed, call_text("f", {"a": 1, "zz": 2}))[0] is False, "NOTE(closed-args)"
+
+
 def test_auto_grammar_allows_text_or_text_then_a_constrained_call(matcher_for: Any) -> None:
     body = {"tools": [WEATHER]}
     assert matcher_for(body, "It is sunny, no tool needed.") == (True, True)
