@@ -177,6 +177,8 @@ class OpenAIServing:
             sampling = req.sampling_params(16)
             kind = "completion"
         sampling.structured = structured
+        if structured is not None:
+            ctx.extra["constraint"] = "tools" if plan is not None else structured.kind()
         # the engine core's own check, answered here without the round trip
         validate_request(longest, sampling, info, int(ctx.priority))
         ctx.prompt_tokens = sum(len(p) for p in prompts)
@@ -473,6 +475,8 @@ class OpenAIServing:
                 fields["prefill_s"] = _dur(t.first_scheduled, t.first_token)
                 fields["decode_s"] = _dur(t.first_token, t.finished)
                 fields["ttft_s"] = _dur(t.arrival, t.first_token)
+        if ctx.extra.get("constraint"):
+            fields["constraint"] = ctx.extra["constraint"]  # 'json', 'regex', ... or 'tools'
         if ctx.extra.get("error"):
             fields["error"] = ctx.extra["error"]
         request_log.info("request", extra={"fields": fields})

@@ -240,3 +240,15 @@ def test_langchain_with_structured_output(smollm2_url: str) -> None:
     llm = ChatOpenAI(model="smollm2", base_url=smollm2_url + "/v1", api_key="x", temperature=0, max_tokens=120)  # type: ignore[arg-type]
     out = llm.with_structured_output(City, method="json_schema").invoke("Describe Paris.")
     assert isinstance(out, City)
+
+
+def test_the_request_log_names_the_constraint(server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="sluice.request"):
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "guided_regex": "[a-z]+"}  # fmt: skip
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"x-request-id": "so-log-1"}, timeout=30)
+    assert r.status_code == 200
+    recs = [rec for rec in caplog.records if getattr(rec, "fields", {}).get("request_id") == "so-log-1"]
+    assert recs and recs[0].fields["constraint"] == "regex"  # type: ignore[attr-defined]
