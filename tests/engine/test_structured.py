@@ -313,3 +313,21 @@ def test_smollm2_answers_follow_the_schema() -> None:
     (o,) = llm.chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
                     SamplingParams(max_tokens=5, temperature=0.0, structured=StructuredOutputs(choice=["yes", "no"])))
     assert o.text in ("yes", "no") and o.finish_reason == "stop"
+
+
+def test_constrained_requests_with_lora_adapters_priorities_and_the_disk_tier(tiny_llama: Path, tmp_path: Path) -> None:
+    from lora_factory import make_lora_dir
+
+    from sluice.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    adapter = make_lora_dir(tmp_path / "qv", cfg, targets=("q_proj", "v_proj"), rank=8, seed=1, std=0.5)
+    llm = LLM(str(tiny_llama), kv_cache_memory=8 << 20, lora_modules=[f"qv={adapter}"], kv_disk_dir=str(tmp_path / "kv"))
+    prompt = llm.tokenizer.encode("Describe a person as a JSON object with a name, an age and some tags. " * 3)
+    outs = llm.generate([prompt] * 3, _json(PERSON), lora=["qv", None, "qv"], priority=["p0", "p2", "p1"])
+    for o in outs:
+        assert o.finish_reason == "stop"
+        _valid(o.text, PERSON)
+    assert outs[0].token_ids == outs[2].token_ids and outs[0].token_ids != outs[1].token_ids, (
+        "the adapter changes the answer, within the grammar")
+    llm.engine.close()
