@@ -12,7 +12,8 @@ Three parts, all in this process (llguidance 1.x, the engine's own ``sluice.engi
                   its lexer lazily) and of each mask after it, walking a valid answer token by token
     throughput    output tok/s of ``--levels`` concurrent requests (one ``generate`` call each, 64 tokens,
                   greedy), 0 / 50 / 100% of them constrained by a schema with a long free string (so every
-                  request makes the same number of tokens), and the ratio to the unconstrained run
+                  request makes the same number of tokens), and the ratio to the unconstrained run;
+                  the shares run interleaved, ``--rounds`` times, medians
     jump-forward  a schema with many keys (``ORDER``), jump-forward on and off, the same requests: engine
                   steps, wall time, and whether the tokens are the same (they must be)
 
@@ -156,7 +157,9 @@ def _prompts(llm: Any, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(m), add_special_tokens=False) for m in msgs]
 
 
-def bench_throughput(llm: Any, levels: list[int], tokens: int) -> tuple[list[list[object]], dict[str, Any]]:
+def bench_throughput(llm: Any, levels: list[int], tokens: int, rounds: int) -> tuple[list[list[object]], dict[str, Any]]:
+    """NOTE(interleaved): the shares run in turn, ``rounds`` times, and each figure is the median over
+    the rounds: on a machine shared with other work a slow minute then hits every share alike."""
     from sluice.engine.protocol import SamplingParams, StructuredOutputs
 
     free = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -165,26 +168,28 @@ def bench_throughput(llm: Any, levels: list[int], tokens: int) -> tuple[list[lis
     rows, out = [], {}
     for c in levels:
         prompts = _prompts(llm, c)
-        base = None
-        for share in (0.0, 0.5, 1.0):
-            if c == 1 and share == 0.5:
-                continue
-            k = round(c * share)
-            params = [constrained if i < k else free for i in range(c)]
-            s0 = llm.engine.make_stats()
-            t0 = time.monotonic()
-            res = llm.generate(prompts, params)
-            wall = time.monotonic() - t0
-            s1 = llm.engine.make_stats()
-            n = sum(len(r.token_ids) for r in res)
-            tps = n / wall
-            base = tps if share == 0.0 else base
-            mask_steps = s1.structured_mask_steps - s0.structured_mask_steps
-            mask_ms = 1e3 * (s1.structured_mask_seconds - s0.structured_mask_seconds) / max(1, mask_steps)
-            wait_ms = 1e3 * (s1.structured_mask_wait_seconds - s0.structured_mask_wait_seconds) / max(1, mask_steps)
-            rows.append([c, f"{int(100 * share)}%", n, tps, tps / base if base else 1.0, mask_ms, wait_ms])
-            out[f"c{c}_{int(100 * share)}"] = {"tok_s": tps, "ratio": tps / base if base else 1.0, "mask_ms": mask_ms,
-                                               "mask_wait_ms": wait_ms}  # fmt: skip
+        shares = [0.0, 1.0] if c == 1 else [0.0, 0.5, 1.0]
+        runs: dict[float, list[tuple[float, float, float, float]]] = {sh: [] for sh in shares}
+        for _ in range(rounds):
+            for share in shares:
+                k = round(c * share)
+                params = [constrained if i < k else free for i in range(c)]
+                s0 = llm.engine.make_stats()
+                t0, cpu0 = time.monotonic(), time.process_time()
+                res = llm.generate(prompts, params)
+                wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+                s1 = llm.engine.make_stats()
+                n = sum(len(r.token_ids) for r in res)
+                steps = max(1, s1.structured_mask_steps - s0.structured_mask_steps)
+                runs[share].append((n / wall, 1e3 * cpu / n, 1e3 * (s1.structured_mask_seconds - s0.structured_mask_seconds) / steps,
+                                    1e3 * (s1.structured_mask_wait_seconds - s0.structured_mask_wait_seconds) / steps))  # fmt: skip
+        med = {sh: [statistics.median(x[i] for x in runs[sh]) for i in range(4)] for sh in shares}
+        base = med[0.0]
+        for sh in shares:
+            tps, cpu_ms, mask_ms, wait_ms = med[sh]
+            rows.append([c, f"{int(100 * sh)}%", tps, tps / base[0], cpu_ms, cpu_ms / base[1], mask_ms, wait_ms])
+            out[f"c{c}_{int(100 * sh)}"] = {"tok_s": tps, "ratio": tps / base[0], "cpu_ms_per_token": cpu_ms,
+                                            "cpu_ratio": cpu_ms / base[1], "mask_ms": mask_ms, "mask_wait_ms": wait_ms}  # fmt: skip
     return rows, out
 
 
@@ -233,6 +238,7 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request in the throughput runs")
     ap.add_argument("--reps", type=int, default=20, help="compiles per constraint")
+    ap.add_argument("--rounds", type=int, default=3, help="throughput runs per share, interleaved (medians)")
     ap.add_argument("--jf-requests", type=int, default=8)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -245,11 +251,11 @@ def main() -> None:
     c_table = markdown_table(["constraint", "grammar chars", "cold p50 ms", "cold p95 ms", "cached p50 ms",
                               "first mask ms", "mask mean us", "mask max us", "tokens walked"], c_rows)  # fmt: skip
     print(c_table, "\n")
-    t_rows, t_out = bench_throughput(llm, args.levels, args.tokens)
+    t_rows, t_out = bench_throughput(llm, args.levels, args.tokens, args.rounds)
     llm.engine.close()
     del llm
-    t_table = markdown_table(["c", "constrained", "tokens", "tok/s", "ratio to 0%", "mask ms/step",
-                              "mask wait ms/step"], t_rows)  # fmt: skip
+    t_table = markdown_table(["c", "constrained", "tok/s", "ratio to 0%", "CPU ms/token", "CPU ratio to 0%",
+                              "mask ms/step", "mask wait ms/step"], t_rows)  # fmt: skip
     print(t_table, "\n")
     j_rows, j_out = bench_jump_forward(args.model, args.jf_requests, engine_args)
     j_table = markdown_table(["jump-forward", "requests", "tokens", "forced tokens", "steps", "wall s", "tok/s",
@@ -265,7 +271,9 @@ def main() -> None:
         f"(after the first): mean {c_sum['mask_mean_us']:.0f} us, p95 {c_sum['mask_p95_us']:.0f} us.", "",
         c_table, "",
         f"Throughput, {args.tokens} output tokens per request, greedy; constrained requests follow a schema with "
-        "a long free string (the same number of tokens as the others):", "",
+        "a long free string (the same number of tokens as the others); medians of "
+        f"{args.rounds} interleaved rounds (CPU: this process's CPU time per output token; mask ms/step: "
+        "from the start of a step's mask job to its end, on its thread):", "",
         t_table, "",
         f"Jump-forward A/B ({args.jf_requests} requests, the `ORDER` schema, greedy); same tokens: "
         f"{j_out['same_tokens']}, steps saved {100 * j_out['steps_saved']:.0f}%, wall-time speedup "
