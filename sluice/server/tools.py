@@ -44,9 +44,11 @@ __all__ = [
     "DEFAULT_TOOL_PROMPT",
     "ToolPlan",
     "ToolCallParser",
+    "CallDelta",
     "ParsedCalls",
     "plan_tools",
     "template_messages",
+    "template_is_native",
     "tool_grammar",
     "parse_tool_calls",
 ]
@@ -57,8 +59,8 @@ _HEAD = '\n{"name": "'  # after CALL_OPEN
 _MID = '", "arguments": '  # between the name and the arguments
 _TAIL = "}\n" + CALL_CLOSE  # after the arguments
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-# NOTE(tool-args-compact): no free whitespace inside the arguments: small models given
-# flexible whitespace in JSON tend to run on in newlines until max_tokens
+# no free whitespace inside the arguments, as for the engine's JSON schemas (NOTE(json-whitespace)
+# in sluice.engine.structured): a small model given it runs on in newlines until max_tokens
 _ARGS_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 DEFAULT_TOOL_PROMPT = """You can call functions to help answer. They are described here as JSON schemas:
@@ -85,10 +87,6 @@ class ToolPlan:
     choice: str  # 'auto' | 'required' | 'named'
     named: str | None = None  # the function, with choice 'named'
     parallel: bool = True  # more than one call per answer
-
-    @property
-    def is_parsing(self) -> bool:
-        return bool(self.tools)
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
