@@ -96,7 +96,8 @@ class ModelConfig:
                 f"{', '.join(sorted(set(SUPPORTED_ARCHITECTURES.values())))}"
             )
         if isinstance(cfg.get("text_config"), dict):  # Gemma3ForConditionalGeneration: the text decoder
-            cfg = {**cfg["text_config"], "architectures": archs}
+            outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "model_type")}
+            cfg = {**outer, **cfg["text_config"], "architectures": archs}
         num_heads = int(_req(cfg, "num_attention_heads"))
         hidden = int(_req(cfg, "hidden_size"))
         eos = cfg.get("eos_token_id")
