@@ -134,7 +134,11 @@ def gguf_hf_config(reader: Any, path: Path) -> dict[str, Any]:
         cfg["attn_logit_softcapping"] = opt("attn_logit_softcapping")
         cfg["final_logit_softcapping"] = opt("final_logit_softcapping")
         if arch == "gemma3":
-            cfg["sliding_window_pattern"] = int(opt("attention.sliding_window_pattern", 6) or 6)
+            pattern = opt("attention.sliding_window_pattern", 6) or 6
+            if isinstance(pattern, list):  # newer files: one flag per layer, true where the window applies
+                cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+            else:
+                cfg["sliding_window_pattern"] = int(pattern)
             cfg["rope_local_base_freq"] = float(opt("rope.freq_base_swa", 10000.0) or 10000.0)
     elif opt("attention.sliding_window"):
         cfg["sliding_window"] = opt("attention.sliding_window")
