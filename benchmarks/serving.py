@@ -3,6 +3,7 @@
     python benchmarks/serving.py --levels 1 --requests 1 --no-write           # smoke: sluice alone
     python benchmarks/serving.py --peer vllm,llama                            # the run, SmolLM2
     python benchmarks/serving.py --peer llama --model .peers/llama1b/llama1b-q4_0.gguf
+    python benchmarks/serving.py --peer llama --model .peers/llama1b/qwen3moe-q4_0.gguf   # MoE: make_llama1b_gguf.py --shape qwen3moe
     python benchmarks/serving.py --also-fp32 --profile-step 1,32              # + the dequantized path, step profile
 
 Workload (the issue's): prompts of 128 token ids (distinct, so no prefix-cache
