@@ -130,6 +130,12 @@ def test_a_costly_draft_model_drafts_less() -> None:
     assert sum(costly.values()) < sum(free.values())
 
 
+def test_a_flat_step_model_explores_with_one_draft() -> None:
+    cands = [SpecCandidate("a", 1, 0.9, 4), SpecCandidate("b", 0, 0.5, 4)]
+    k = choose_k(cands, base=0.0, per_token=1e-3, per_seq=0.0, num_tokens=2, num_seqs=2, num_emitted=2)
+    assert k == {"b": 1}, "one request (P0 first) drafts one token, so the fit sees steps of two sizes"
+
+
 def test_no_step_model_yet_drafts_nothing() -> None:
     assert choose_k([SpecCandidate("a", 1, 0.9, 4)], base=0.0, per_token=0.0, per_seq=0.0,
                     num_tokens=1, num_seqs=1, num_emitted=1) == {}  # fmt: skip

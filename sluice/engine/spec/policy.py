@@ -4,13 +4,25 @@ NOTE(adaptive-k): a step costs ``a + b * tokens + c * seqs`` (``StepTimeModel``)
 plus what the proposer spends (a draft model's own steps; n-gram: nothing).  A
 request whose drafts are accepted with probability ``alpha`` each (until the
 first rejection) emits ``1 + alpha + ... + alpha^k`` tokens for ``k`` drafts, so
-its ``j``-th draft adds ``alpha^j`` expected tokens and costs one more token
-row.  Starting from the step without drafts (``E`` tokens emitted in ``t``
+its ``j``-th draft adds ``alpha^j`` expected tokens and costs one more row.  A
+draft row is priced as a decode row, ``b + c``: it attends over the whole
+context and is sampled (the logits over the vocabulary, the sampler), which is
+what the per-sequence term measures (NOTE(per-seq-cost) in step_model); priced
+as a prefill token (``b``) drafts looked 8x cheaper than they are and 8
+n-gram requests on SmolLM2 ran 25% slower with them than without.  Starting from the step without drafts (``E`` tokens emitted in ``t``
 seconds), drafts are added one at a time, P0 first, then by gain, while each
 still raises ``E / t``: a draft pays when ``alpha^j * t > E * dt``.  With one
 decode on a memory-bound machine ``dt`` is a small share of ``t`` and a
 request drafts while its acceptance holds; with many decodes the step is
 compute-bound (``E * dt / t`` near 1) and k falls to 0.
+
+NOTE(k-explore): while every step has the same shape (one decode, step after
+step) the step-time model cannot tell ``a`` from ``b`` and charges everything
+per token (NOTE(flat-fit)): drafts then look as dear as the step itself and
+would never start, and so never give the fit the spread it needs.  So while
+the fit is flat, one request (the first in P0-first order) drafts one token a
+step: at one decode the step sizes alternate and the fit separates within a few
+steps; at many, the one row costs at most its share of the batch.
 
 Each request's ``alpha`` is its decayed count of accepted drafts over drafts
 tried up to a rejection (the geometric model's estimate), started from a prior
@@ -82,6 +94,9 @@ def choose_k(
     """
     if not candidates or per_token <= 0.0:
         return {}
+    if base <= 0.0 and per_seq <= 0.0:  # NOTE(k-explore)
+        c = min((c for c in candidates if c.max_k > 0), key=lambda c: (c.priority, -c.alpha), default=None)
+        return {} if c is None else {c.request_id: 1}
     t = base + per_token * num_tokens + per_seq * num_seqs
     emitted = float(max(1, num_emitted))
     k_by_id: dict[str, int] = {}
@@ -94,7 +109,7 @@ def choose_k(
         prio, neg_gain, i, rid = heapq.heappop(heap)
         c = candidates[i]
         j = k_by_id.get(rid, 0) + 1
-        dt = per_token
+        dt = per_token + per_seq
         if draft_cost is not None:
             m = rows_at_depth[j - 1] if j <= len(rows_at_depth) else 0
             dt += draft_cost(j, m + 1) - (draft_cost(j, m) if m else 0.0)
