@@ -80,10 +80,10 @@ _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prom
 
 def parse_speculative_config(value: object) -> dict[str, Any] | None:
     """A ``--speculative-config`` value (JSON text, a dict, ``auto``, or ``none``/empty: off) as a
-    normalised dict, or None for off; ``ConfigError`` naming what is wrong."""
+    normalised dict, or None for off; ``ConfigError`` saying what is wrong, in one line."""
 
-    def bad(reason: str) -> ConfigError:
-        return ConfigError(f"{FIELD}: {reason}", setting=FIELD)
+    def bad(reason: str) -> ConfigError:  # the flag or the field is named by the caller (EngineConfig.validate)
+        return ConfigError(reason, setting=FIELD)
 
     if value is None or isinstance(value, SpeculativeConfig):
         return value.to_dict() if isinstance(value, SpeculativeConfig) else None

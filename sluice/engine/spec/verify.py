@@ -14,7 +14,16 @@ and the same noise: the generator is set back to where the last emitted
 token's draw left it (``SamplingRow.states``), so the noise of the rejected
 positions is drawn again for them next step.  Greedy output, and a seeded
 request's sampled output, are bit-identical to non-speculative decoding; the
-distribution of any request's output is the target's, exactly.  For a draft
+distribution of any request's output is the target's, exactly.
+
+NOTE(spec-invariance): bit-identical where the target's kernels are batch
+invariant: quantized weights (the default Q4_1 path, int8/int4 at load) and
+the paged attention on the CPU.  A float model's linears run BLAS, whose
+rounding changes with the number of rows (~1e-5 on SmolLM2's layers), as a
+decode's already does with its batch neighbours: its greedy output can differ
+where two tokens tie within that.  Moving such a model onto the fixed-order
+float kernel would make it exact, but that kernel is ~10x slower than BLAS at
+24 rows (a prefill chunk, a batch of drafts), more than drafting saves.  For a draft
 that is one token (n-gram) a draft is kept with probability ``p(draft)``, what
 the classical rejection-sampling rule gives; for a draft model the coupled
 noise (NOTE(coupled-drafts) in ``proposer``) keeps its acceptance close to it.
