@@ -576,8 +576,8 @@ class Scheduler:
             if req.timings.first_token is None:
                 req.timings.first_token = now
             status = self._check_stop(req, tok)
-            if status is None and req.grammar is not None:
-                status = self._advance_grammar(req, tok)
+            if req.grammar is not None and status is not RequestStatus.FINISHED_STOPPED:
+                status = self._advance_grammar(req, tok)  # a complete grammar says "stop" even at max_tokens
             if status is not None:
                 self._finish(req, status, now)
             outputs.append(self._emit(req, tok, lp))
@@ -665,8 +665,8 @@ class Scheduler:
             out.finish_reason = req.status.finish_reason
             out.stop_token_id = req.stop_token_id
             out.timings = req.timings
-        elif new_token_ids and req.num_output_tokens == 1:
-            out.timings = req.timings  # the first token: stage timings so far
+        elif new_token_ids and req.num_output_tokens == len(new_token_ids):
+            out.timings = req.timings  # the first token(s; with the ones jump-forward put first): stage timings so far
         return out
 
 
