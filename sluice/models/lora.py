@@ -313,7 +313,8 @@ def load_lora(path: str | Path, model: LlamaForCausalLM, *, max_rank: int | None
     rank above ``max_rank``); builds nothing half-way (the caller gets an adapter or an error)."""
     p = Path(path)
     if not all(getattr(layer, "plain", True) for layer in model.layers):
-        raise _bad(f"LoRA adapters run on llama, mistral and qwen2 models; this model is {model.cfg.arch}")
+        raise _bad(f"LoRA adapters run on plain Llama-style layers; this {model.cfg.arch} model has architecture options "
+                   "(q/k norms, sliding windows, soft-capping, experts ...) the adapter path does not apply")
     pcfg = read_peft_config(p)
     tensors, digest, num_file_bytes = _read_weights(p)
     deltas, rank = _check_tensors(p, pcfg, tensors, model.cfg, max_rank)
