@@ -199,6 +199,15 @@ def test_a_scripted_call_comes_back_as_message_tool_calls(client: openai.OpenAI)
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
 
 
+def test_each_choice_of_n_has_its_own_calls(client: openai.OpenAI) -> None:
+    say = call_text("get_time", {"tz": "CET"})
+    r = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": f"SAY<<{say}>>SAY"}],
+                                       tools=[TIME], tool_choice="required", n=2)  # type: ignore[list-item]
+    assert [c.finish_reason for c in r.choices] == ["tool_calls", "tool_calls"]
+    ids = [c.message.tool_calls[0].id for c in r.choices]  # type: ignore[index]
+    assert len(set(ids)) == 2, "call ids are unique across choices"
+
+
 def test_auto_text_answer_has_no_tool_calls(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "SAY<<It is sunny.>>SAY"}],
                                        tools=[WEATHER])  # type: ignore[list-item]
