@@ -14,8 +14,9 @@ Three parts, all in this process (llguidance 1.x, the engine's own ``sluice.engi
                   greedy), 0 / 50 / 100% of them constrained by a schema with a long free string (so every
                   request makes the same number of tokens), and the ratio to the unconstrained run;
                   the shares run interleaved, ``--rounds`` times, medians
-    jump-forward  a schema with many keys (``ORDER``), jump-forward on and off, the same requests: engine
-                  steps, wall time, and whether the tokens are the same (they must be)
+    jump-forward  a schema with many keys (``ORDER``), jump-forward off and on in turn (``--rounds``),
+                  the same requests: engine steps, wall time (median), and whether the tokens are the
+                  same (they must be)
 
 Prints tables, writes the ``structured`` section of docs/structured_outputs.md (unless
 ``--no-write``), and prints one JSON line last.
@@ -168,10 +169,16 @@ def bench_throughput(llm: Any, levels: list[int], tokens: int, rounds: int) -> t
     rows, out = [], {}
     for c in levels:
         prompts = _prompts(llm, c)
-        shares = [0.0, 1.0] if c == 1 else [0.0, 0.5, 1.0]
-        runs: dict[float, list[tuple[float, float, float, float]]] = {sh: [] for sh in shares}
+        # (label, share constrained, masks computed on their thread while the model runs)
+        shares = [("0%", 0.0, True), ("50%", 0.5, True), ("100%", 1.0, True)]
+        if c == 1:
+            shares = [shares[0], shares[2]]
+        if c == max(levels):  # NOTE(mask-overlap): the same, masks computed after the forward pass
+            shares.append(("100%, masks inline", 1.0, False))
+        runs: dict[str, list[tuple[float, float, float, float]]] = {sh[0]: [] for sh in shares}
         for _ in range(rounds):
-            for share in shares:
+            for label, share, overlap in shares:
+                llm.engine.grammars.overlap = overlap
                 k = round(c * share)
                 params = [constrained if i < k else free for i in range(c)]
                 s0 = llm.engine.make_stats()
@@ -181,41 +188,47 @@ def bench_throughput(llm: Any, levels: list[int], tokens: int, rounds: int) -> t
                 s1 = llm.engine.make_stats()
                 n = sum(len(r.token_ids) for r in res)
                 steps = max(1, s1.structured_mask_steps - s0.structured_mask_steps)
-                runs[share].append((n / wall, 1e3 * cpu / n, 1e3 * (s1.structured_mask_seconds - s0.structured_mask_seconds) / steps,
+                runs[label].append((n / wall, 1e3 * cpu / n, 1e3 * (s1.structured_mask_seconds - s0.structured_mask_seconds) / steps,
                                     1e3 * (s1.structured_mask_wait_seconds - s0.structured_mask_wait_seconds) / steps))  # fmt: skip
-        med = {sh: [statistics.median(x[i] for x in runs[sh]) for i in range(4)] for sh in shares}
-        base = med[0.0]
-        for sh in shares:
-            tps, cpu_ms, mask_ms, wait_ms = med[sh]
-            rows.append([c, f"{int(100 * sh)}%", tps, tps / base[0], cpu_ms, cpu_ms / base[1], mask_ms, wait_ms])
-            out[f"c{c}_{int(100 * sh)}"] = {"tok_s": tps, "ratio": tps / base[0], "cpu_ms_per_token": cpu_ms,
+        llm.engine.grammars.overlap = True
+        med = {label: [statistics.median(x[i] for x in runs[label]) for i in range(4)] for label in runs}
+        base = med["0%"]
+        for label, _, _ in shares:
+            tps, cpu_ms, mask_ms, wait_ms = med[label]
+            rows.append([c, label, tps, tps / base[0], cpu_ms, cpu_ms / base[1], mask_ms, wait_ms])
+            out[f"c{c}_{label.replace('%', '').replace(', masks ', '_')}"] = {"tok_s": tps, "ratio": tps / base[0], "cpu_ms_per_token": cpu_ms,
                                             "cpu_ratio": cpu_ms / base[1], "mask_ms": mask_ms, "mask_wait_ms": wait_ms}  # fmt: skip
     return rows, out
 
 
-def bench_jump_forward(model: str, n: int, engine_args: dict[str, Any]) -> tuple[list[list[object]], dict[str, Any]]:
-    from sluice import LLM
+def bench_jump_forward(llm: Any, n: int, rounds: int) -> tuple[list[list[object]], dict[str, Any]]:
+    """Jump-forward off and on in turn, ``rounds`` times, on one engine (NOTE(interleaved)); medians."""
     from sluice.engine.protocol import SamplingParams, StructuredOutputs
 
     params = SamplingParams(max_tokens=256, temperature=0.0, structured=StructuredOutputs(json=json.dumps(ORDER)))
-    rows, out, tokens = [], {}, {}
+    prompts = _prompts(llm, n)
+    llm.generate(prompts[:1], params)  # warm-up
+    runs: dict[bool, list[tuple[int, int, int, float, int]]] = {False: [], True: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    for _ in range(rounds):
+        for jf in (False, True):
+            llm.engine.config.jump_forward = jf  # read by each add_request
+            s0 = llm.engine.make_stats()
+            t0 = time.monotonic()
+            res = llm.generate(prompts, params)
+            wall = time.monotonic() - t0
+            s1 = llm.engine.make_stats()
+            tokens[jf] = [r.token_ids for r in res]
+            valid = sum(1 for r in res if r.finish_reason == "stop" and _valid(r.text))
+            runs[jf].append((sum(len(t) for t in tokens[jf]), s1.jump_forward_tokens - s0.jump_forward_tokens,
+                             s1.num_steps - s0.num_steps, wall, valid))  # fmt: skip
+    llm.engine.config.jump_forward = True
+    rows, out = [], {}
     for jf in (False, True):
-        llm = LLM(model, jump_forward=jf, **engine_args)
-        prompts = _prompts(llm, n)
-        llm.generate(prompts[:1], params)  # warm-up
-        s0 = llm.engine.make_stats()
-        t0 = time.monotonic()
-        res = llm.generate(prompts, params)
-        wall = time.monotonic() - t0
-        s1 = llm.engine.make_stats()
-        tokens[jf] = [r.token_ids for r in res]
-        n_tok = sum(len(t) for t in tokens[jf])
-        steps = s1.num_steps - s0.num_steps
-        forced = s1.jump_forward_tokens - s0.jump_forward_tokens
-        valid = sum(1 for r in res if r.finish_reason == "stop" and _valid(r.text))
+        n_tok, forced, steps, _, valid = runs[jf][-1]
+        wall = statistics.median(r[3] for r in runs[jf])
         rows.append(["on" if jf else "off", n, n_tok, forced, steps, wall, n_tok / wall, f"{valid}/{n}"])
         out["on" if jf else "off"] = {"steps": steps, "wall_s": wall, "tok_s": n_tok / wall, "forced": forced}
-        llm.engine.close()
     out["same_tokens"] = tokens[True] == tokens[False]
     out["steps_saved"] = 1.0 - out["on"]["steps"] / max(1, out["off"]["steps"])
     out["speedup"] = out["off"]["wall_s"] / out["on"]["wall_s"]
@@ -252,13 +265,12 @@ def main() -> None:
                               "first mask ms", "mask mean us", "mask max us", "tokens walked"], c_rows)  # fmt: skip
     print(c_table, "\n")
     t_rows, t_out = bench_throughput(llm, args.levels, args.tokens, args.rounds)
-    llm.engine.close()
-    del llm
     t_table = markdown_table(["c", "constrained", "tok/s", "ratio to 0%", "CPU ms/token", "CPU ratio to 0%",
                               "mask ms/step", "mask wait ms/step"], t_rows)  # fmt: skip
     print(t_table, "\n")
-    j_rows, j_out = bench_jump_forward(args.model, args.jf_requests, engine_args)
-    j_table = markdown_table(["jump-forward", "requests", "tokens", "forced tokens", "steps", "wall s", "tok/s",
+    j_rows, j_out = bench_jump_forward(llm, args.jf_requests, args.rounds)
+    llm.engine.close()
+    j_table = markdown_table(["jump-forward", "requests", "tokens", "forced tokens", "steps", "wall s (median)", "tok/s",
                               "valid"], j_rows)  # fmt: skip
     print(j_table)
     print(f"same tokens with and without jump-forward: {j_out['same_tokens']}")

@@ -190,6 +190,7 @@ class GrammarCompiler:
         self._jobs: dict[tuple[str, str], Future[_Entry]] = {}
         self._ready = threading.Condition(self._lock)
         self.num_bytes = 0
+        self.overlap = True  # NOTE(mask-overlap); False: masks computed when the sampler asks (benchmarks' A/B)
         self._masks: tuple[ThreadPoolExecutor, Any] | None = None  # the mask thread and llguidance's executor
 
     @property
@@ -264,7 +265,7 @@ class GrammarCompiler:
             self._masks = (ThreadPoolExecutor(1, thread_name_prefix="sluice-masks"), LLExecutor())
         pool, executor = self._masks
         num_words = (self.tokenizer.vocab_size + 31) // 32
-        return MaskBatch(pool, executor, states, num_words, vocab_size, self.counters)
+        return MaskBatch(pool if self.overlap else None, executor, states, num_words, vocab_size, self.counters)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -353,11 +354,12 @@ class MaskBatch:
     token jump-forward would append (NOTE(jump-forward)).
     """
 
-    def __init__(self, pool: ThreadPoolExecutor, executor: Any, states: list[GrammarState], num_words: int,
+    def __init__(self, pool: ThreadPoolExecutor | None, executor: Any, states: list[GrammarState], num_words: int,
                  vocab_size: int, counters: StructuredCounters):  # fmt: skip
         self._counters = counters
         self._vocab_size = vocab_size
-        self._future = pool.submit(self._compute, executor, states, num_words)
+        self._args = (executor, states, num_words)
+        self._future = None if pool is None else pool.submit(self._compute, *self._args)
         self._allowed: torch.Tensor | None = None
 
     def _compute(self, executor: Any, states: list[GrammarState], num_words: int) -> tuple[torch.Tensor, float]:
@@ -380,6 +382,6 @@ class MaskBatch:
     def row(self, j: int) -> torch.Tensor:
         if self._allowed is None:
             t0 = time.monotonic()
-            self._allowed, seconds = self._future.result()
+            self._allowed, seconds = self._compute(*self._args) if self._future is None else self._future.result()
             self._counters.observe_masks(seconds, time.monotonic() - t0)
         return self._allowed[j]
