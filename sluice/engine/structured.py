@@ -231,14 +231,20 @@ class GrammarCompiler:
                 self._ready.wait(timeout)
 
     def _run(self, key: tuple[str, str]) -> _Entry:
-        tokenizer = self.tokenizer  # built once, by the first job: not part of any compile's time
+        spec = ""
+        try:
+            tokenizer = self.tokenizer  # built once, by the first job: not part of any compile's time
+        except Exception as e:  # noqa: BLE001 -- every request then ends with this error instead of waiting
+            tokenizer, error = None, f"the tokenizer could not be loaded for structured outputs: {e}"
         t0 = time.monotonic()
         try:
+            if tokenizer is None:
+                raise RuntimeError(error)
             spec = grammar_spec(*key)
             matcher = self.compile_fn(key[0], spec, tokenizer)
             error = matcher.get_error() if matcher.is_error() else None
         except Exception as e:  # noqa: BLE001 -- a grammar the library refuses, whatever the exception
-            spec, matcher, error = "", None, str(e) or type(e).__name__
+            matcher, error = None, str(e) or type(e).__name__
         seconds = time.monotonic() - t0
         entry = _Entry(None if error else matcher, error, GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(spec), seconds)
         with self._ready:

@@ -249,6 +249,31 @@ def test_abort_while_compiling(tiny_llama: Path, llm: LLM) -> None:
     assert engine.make_stats().structured_waiting_for_compile == 0
 
 
+def test_the_grammar_cache_is_bounded_in_entries_and_bytes_and_counts_hits(llm: LLM) -> None:
+    from sluice.engine.structured import GrammarCompiler
+
+    tok = llm.engine.grammars.tokenizer
+
+    def fill(compiler: GrammarCompiler, n: int) -> None:
+        for i in range(n):
+            key = ("regex", f"a{i}[0-9]+")
+            compiler.submit(key)
+            while compiler.entry(key) is None:
+                time.sleep(0.001)
+
+    by_entries = GrammarCompiler(lambda: tok, max_entries=3)
+    fill(by_entries, 5)
+    assert by_entries.num_entries == 3 and by_entries.counters.num_compiles == 5
+    by_entries.submit(("regex", "a4[0-9]+"))  # the newest is still there
+    by_entries.submit(("regex", "a0[0-9]+"))  # the oldest was evicted: compiled again
+    assert by_entries.counters.num_cache_hits == 1
+    by_bytes = GrammarCompiler(lambda: tok, max_bytes=1)
+    fill(by_bytes, 3)
+    assert by_bytes.num_entries == 1 and by_bytes.num_bytes > 1, "past the byte cap only the newest entry is kept"
+    for c in (by_entries, by_bytes):
+        c.close()
+
+
 # ------------------------------------------------------------ property: random schemas
 
 
