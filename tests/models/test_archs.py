@@ -229,3 +229,13 @@ def test_quantized_at_load(arch_dirs: dict[str, Path], arch: str, mode: str) -> 
     rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).median().item()
     # int4 round-to-nearest on these tiny random models moves logits ~0.3 (llama alike): a sanity bound
     assert rel < (0.05 if mode == "int8" else 0.45), f"{arch} {mode}: median relative logit error {rel:.3f}"
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_the_converted_weights_cache_rebuilds_the_same_model(arch_dirs: dict[str, Path], arch: str, tmp_path: Path) -> None:
+    g = write_arch_gguf(arch_dirs[arch], tmp_path / f"{arch}.gguf", "Q4_0")
+    ids = prompt()
+    first = load_model(resolve_model(str(g)), torch.float32, quantization="auto")
+    assert list((tmp_path / "cache" / "models-v3").glob("*/*/manifest.json")), "the first load wrote the cache"
+    again = load_model(resolve_model(str(g)), torch.float32, quantization="auto")
+    assert torch.equal(sluice_logits(first, ids), sluice_logits(again, ids)), "the cached model computes the same bits"
