@@ -8,6 +8,7 @@ dequantizing; ``sluice.models.loader`` builds the model from either.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +201,13 @@ def gguf_hf_name(name: str, arch: str = "llama") -> str | None:
         return None
     _, idx, rest = name.split(".", 2)
     sub = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(rest) or _GGUF_LAYER_NAMES.get(rest)
+    old = _OLD_EXPERT.match(rest)
+    if old is not None:  # older mixtral files: one 2D tensor per expert, blk.N.ffn_gate.E.weight
+        sub = f"mlp.experts.{old[2]}.{old[1]}_proj.weight"
     return None if sub is None else f"model.layers.{idx}.{sub}"
+
+
+_OLD_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def unpermute(w: Any, n_head: int) -> Any:

@@ -143,3 +143,32 @@ def test_gguf_experts_unpack_lazily_and_are_released_once_packed(moe_dirs: dict[
     model.load_hf_state_dict(sd)
     assert not any(v.is_loaded for v in experts.values()), "NOTE(lazy-experts): unpacked integers dropped once packed"
     assert all(ex.down.is_quantized for layer in model.layers for ex in layer.moe.experts)
+
+
+def test_older_mixtral_gguf_files_with_one_tensor_per_expert(moe_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """llama.cpp wrote mixtral's experts as blk.N.ffn_gate.E.weight before it stacked them."""
+    from gguf import GGUFReader, GGUFWriter
+
+    stacked = write_arch_gguf(moe_dirs["mixtral"], tmp_path / "stacked.gguf", "F32")
+    old = tmp_path / "old.gguf"
+    r = GGUFReader(str(stacked))
+    w = GGUFWriter(str(old), "llama")
+    for key, field in r.fields.items():
+        if key.startswith("llama."):
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in r.tensors:
+        arr = torch.from_numpy(t.data.copy()).numpy()
+        if "_exps." in t.name:
+            kind = t.name.split(".")[2].removesuffix("_exps")
+            for e in range(arr.shape[0]):
+                w.add_tensor(f"blk.{t.name.split('.')[1]}.{kind}.{e}.weight", arr[e].copy())
+        else:
+            w.add_tensor(t.name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ids = ids_of(12, 3)
+    att = flat_batch_attention([0, 12], 16**-0.5)
+    a, b = (load_model(resolve_model(str(p)), torch.float32) for p in (stacked, old))
+    assert torch.equal(a.compute_logits(a(ids, torch.arange(12), att)), b.compute_logits(b(ids, torch.arange(12), att)))
