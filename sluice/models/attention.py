@@ -52,8 +52,8 @@ def masked_attention(
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, L, ctx)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    qpos = torch.arange(ctx - ql, ctx).unsqueeze(1)  # (L, 1)
-    kpos = torch.arange(ctx).unsqueeze(0)  # (1, ctx)
+    qpos = torch.arange(ctx - ql, ctx, device=q.device).unsqueeze(1)  # (L, 1)
+    kpos = torch.arange(ctx, device=q.device).unsqueeze(0)  # (1, ctx)
     visible = kpos <= qpos
     if window is not None:
         visible &= kpos > qpos - window

@@ -381,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (T, hidden), final-normed
         x = self.embed_tokens(input_ids)
         if self.cfg.embed_scale != 1.0:  # gemma: as HF, the scale rounded to the serving dtype first
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype, device=x.device)
         local = None
         if self.rope_local_cos is not None and self.rope_local_sin is not None:
             local = Rope(positions, self.rope_local_cos, self.rope_local_sin)

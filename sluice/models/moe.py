@@ -88,7 +88,7 @@ class MoEBlock(nn.Module):
         flat = ids.flatten()  # (T*k,)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        y = torch.empty(t * k, h, dtype=x.dtype)
+        y = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -99,7 +99,7 @@ class MoEBlock(nn.Module):
             y[slots] = ex.down(act(ex.gate_up(x[slots // k])))
         y = y.view(t, k, h)
         wx = w.to(x.dtype)
-        out = residual if residual is not None else torch.zeros(t, h, dtype=x.dtype)
+        out = residual if residual is not None else torch.zeros(t, h, dtype=x.dtype, device=x.device)
         for j in range(k):  # slot order: the sum does not depend on the batch
             out.add_(y[:, j] * wx[:, j : j + 1])
         return out
