@@ -74,7 +74,7 @@ class ServerSettings(BaseModel):
         "Per-class TTFT targets for admission by predicted wait, e.g. p0=0.5s,p1=2s,p2=5s; a class left out, "
         "or 'auto', gets max(0.1/2/5 s, 4/10/25 x its unloaded TTFT), held to only while another class is "
         "active beside it (a class alone is queued and served); 'off': no predicted-wait admission."))
-    max_queue_wait: float = Field(60.0, gt=0, description=(
+    max_queue_wait: float = Field(90.0, gt=0, description=(
         "Seconds: a request whose predicted time to first token is longer gets 429 wait_too_long, whatever "
         "--slo says (a client waits no longer); not with --slo off."))
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1, description="Largest request body (413 above).")

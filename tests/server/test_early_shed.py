@@ -101,11 +101,11 @@ def test_the_early_floor_lasts_early_shed_s_and_yields_to_a_longer_prompts_targe
 
 
 def test_a_lone_class_refused_past_the_longest_wait_is_refused_early_against_that_wait() -> None:
-    # NOTE(lone-class): P1 alone, a derived target: refused only past max_queue_wait (60 s), behind 100k tokens
+    # NOTE(lone-class): P1 alone, a derived target: refused only past max_queue_wait (90 s), behind 100k tokens
     clock = FakeClock()
     a = _refused_p1(clock, "auto", 100_000)
     e = a.refuse_early(Priority.P1, 10)
-    assert e is not None and e.code == "wait_too_long", "the floor is over the 60 s wait, not just the 2 s target"
+    assert e is not None and e.code == "wait_too_long", "the floor is over the 90 s wait, not just the 2 s target"
     lone = _refused_p1(FakeClock(), "auto", 100_000)
     lone.max_queue_wait = 10_000.0
     assert lone.refuse_early(Priority.P1, 10) is None, "a floor within the longest wait is parsed and admitted"
