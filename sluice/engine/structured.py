@@ -374,11 +374,14 @@ class MaskBatch:
         t0 = time.monotonic()
         bits = np.full((len(states), num_words), -1, dtype=np.int32)  # bit i of word w: token 32 * w + i
         executor.unsafe_compute_mask_ptr([(s.matcher, j) for j, s in enumerate(states)], bits.ctypes.data, num_words * 4, len(states))
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (rows, words * 32)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # (rows, words * 32) of 0 / 1
+        # 0.0 where allowed, -inf elsewhere, as bit patterns: ~8x faster than a boolean-indexed fill
+        bias = ((allowed ^ 1).astype(np.uint32) * np.uint32(0xFF800000)).view(np.float32)
         v = self._vocab_size
-        bias = np.full((len(states), v), -np.inf, dtype=np.float32)  # an lm_head wider than llguidance's vocabulary:
-        n = min(v, allowed.shape[1])                                  # the ids past it are never allowed
-        bias[:, :n][allowed[:, :n]] = 0.0
+        if v <= bias.shape[1]:
+            bias = bias[:, :v]
+        else:  # an lm_head wider than llguidance's vocabulary: the ids past it are never allowed
+            bias = np.concatenate([bias, np.full((len(states), v - bias.shape[1]), -np.inf, np.float32)], axis=1)
         for j, s in enumerate(states):
             if not s.jump_forward and (ff := s.forced()) and ff[0] < v:
                 bias[j] = -np.inf

@@ -12,6 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -272,6 +273,31 @@ def test_the_grammar_cache_is_bounded_in_entries_and_bytes_and_counts_hits(llm: 
     assert by_bytes.num_entries == 1 and by_bytes.num_bytes > 1, "past the byte cap only the newest entry is kept"
     for c in (by_entries, by_bytes):
         c.close()
+
+
+@pytest.mark.parametrize("extra", [64, 0, -100])
+def test_the_mask_fits_an_lm_head_wider_or_narrower_than_the_tokenizer(llm: LLM, extra: int) -> None:
+    import llguidance
+
+    from sluice.engine.structured import (
+        GrammarState,
+        MaskBatch,
+        StructuredCounters,
+        compile_grammar,
+        grammar_spec,
+    )
+
+    tok = llm.engine.grammars.tokenizer
+    key = ("choice", json.dumps(["yes", "no"]))
+    state = GrammarState(key, 0.0, True)
+    state.start(compile_grammar("choice", grammar_spec(*key), tok), [])
+    vocab = tok.vocab_size + extra
+    bias = MaskBatch(None, llguidance.LLExecutor(1), [state], (tok.vocab_size + 31) // 32, vocab, StructuredCounters()).row(0)
+    assert bias.shape == (vocab,) and bias.dtype == torch.float32
+    allowed = (bias == 0).nonzero().flatten().tolist()
+    assert allowed and all(t < min(vocab, tok.vocab_size) for t in allowed)
+    assert {llm.tokenizer.decode([t]) for t in allowed} <= {"y", "ye", "yes", "n", "no"}
+    assert bool(torch.isinf(bias[tok.vocab_size:]).all())
 
 
 # ------------------------------------------------------------ property: random schemas
