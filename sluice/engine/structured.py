@@ -5,7 +5,7 @@
         --GrammarState (per request)-> a copy of the compiled matcher, advanced by every output token:
                                           accept(token) -> the tokens jump-forward appends
         --MaskBatch (per step)-------> the constrained rows' token masks, computed in a thread while the
-                                       model runs; the sampler waits for them (SamplingRow.allowed)
+                                       model runs; the sampler waits for them (SamplingRow.mask_bias)
 
 One compiler per engine, and so per tokenizer: its cache key is the constraint alone.  llguidance
 builds its lexer lazily and computes masks in Rust with the GIL released, so neither a compile nor a
@@ -246,6 +246,8 @@ class GrammarCompiler:
         except Exception as e:  # noqa: BLE001 -- a grammar the library refuses, whatever the exception
             matcher, error = None, str(e) or type(e).__name__
         seconds = time.monotonic() - t0
+        if error:
+            log.info("structured outputs: %s constraint refused after %.3fs: %s", key[0], seconds, error[:200])
         entry = _Entry(None if error else matcher, error, GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(spec), seconds)
         with self._ready:
             self.counters.observe_compile(seconds)
