@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from sluice.engine.spec.config import AUTO, SpeculativeConfig, parse_speculative_config
 from sluice.engine.spec.ngram import NgramIndex, propose_ngram
 from sluice.engine.spec.policy import Acceptance, SpecCandidate, choose_k
 from sluice.engine.spec.verify import accepted_run
+from sluice.engine.spec_config import AUTO, SpeculativeConfig, parse_speculative_config
 from sluice.errors import ConfigError
 
 # ------------------------------------------------------------ config

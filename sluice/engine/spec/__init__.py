@@ -1,6 +1,6 @@
 """Speculative decoding (issue 55, docs/speculative.md): proposers draft, one target step verifies.
 
-    config.py    ``--speculative-config``: parsed, checked, normalised
+    (``sluice.engine.spec_config``: ``--speculative-config``, parsed; torch-free, for the engine config)
     ngram.py     prompt-lookup drafts
     draft.py     the draft model and its paged KV cache (``self:q4``)
     proposer.py  the proposers behind one interface, and their factory

@@ -43,7 +43,7 @@ log = logging.getLogger("sluice.engine")
 
 def draft_source(model: str, target: ModelSource) -> tuple[ModelSource, str]:
     """(source, quantization) of the draft model named by the config's ``model``."""
-    from sluice.engine.spec.config import SELF_Q4
+    from sluice.engine.spec_config import SELF_Q4
 
     if model == SELF_Q4:
         return target, "gguf" if target.kind == "gguf" else "int4"

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sluice.engine.spec.config import SpecMethod, SpeculativeConfig
 from sluice.engine.spec.ngram import NgramIndex, propose_ngram
+from sluice.engine.spec_config import SpecMethod, SpeculativeConfig
 
 if TYPE_CHECKING:
     from sluice.engine.request import Request

@@ -95,7 +95,7 @@ def parse_speculative_config(value: object) -> dict[str, Any] | None:
             return dict(AUTO)
         try:
             value = json.loads(text)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             raise bad(f"not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
         if isinstance(value, str) and value.lower() == "auto":
             return dict(AUTO)
