@@ -217,7 +217,8 @@ def load_model(
 
 
 def served_weight_bytes(source: ModelSource, fmt: str, quantization: str, dtype_bytes: int) -> int:
-    """About how many bytes the served weights take (a lower bound of what loading needs)."""
+    """About how many bytes loading holds at once: the weights as served, or the float32 weights that
+    quantizing at load starts from (a lower bound of what loading needs)."""
     from sluice.models.formats import weights_bytes
 
     if quantization in ("auto", "gguf", "awq", "gptq", "sluice") and fmt != "float":
@@ -231,13 +232,16 @@ def served_weight_bytes(source: ModelSource, fmt: str, quantization: str, dtype_
             n = ModelConfig.from_hf(load_model_config(source)).num_parameters()
         except (KeyError, ValueError, TypeError):
             return 0  # the loader reports the bad config itself
-    return {"int8": n * 17 // 16, "int4": n * 9 // 16}.get(quantization, n * dtype_bytes)
+    if quantization in ("int8", "int4"):
+        return n * 4  # quantized at load from the float32 weights, all read first (models/quant/__init__.py)
+    return n * dtype_bytes
 
 
 def check_fits_in_memory(source: ModelSource, fmt: str, quantization: str, dtype_bytes: int) -> None:
     """NOTE(larger-than-ram): sluice holds every weight in memory (a GGUF's quantized blocks are
-    unpacked and repacked for the kernels); a model whose served weights alone exceed the memory
-    available fails here with one line, rather than by swapping for minutes and being killed."""
+    repacked for the kernels, experts one by one: NOTE(lazy-experts)); a model whose weights
+    alone, as served or as read for quantizing at load, exceed the memory available fails here
+    with one line, rather than by swapping for minutes and being killed."""
     import psutil
 
     need = served_weight_bytes(source, fmt, quantization, dtype_bytes)
@@ -245,7 +249,7 @@ def check_fits_in_memory(source: ModelSource, fmt: str, quantization: str, dtype
     if need > avail:
         gib = 1 << 30
         raise ModelLoadError(
-            f"model {source.path}: its weights need about {need / gib:.1f} GiB as served "
+            f"model {source.path}: loading its weights needs about {need / gib:.1f} GiB "
             f"(--quantization {quantization}), more than the {avail / gib:.1f} GiB of memory available; "
             f"use a smaller quantization (e.g. a Q4 GGUF, or --quantization int4) or a machine with more memory"
         )
