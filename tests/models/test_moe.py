@@ -172,3 +172,69 @@ def test_older_mixtral_gguf_files_with_one_tensor_per_expert(moe_dirs: dict[str,
     att = flat_batch_attention([0, 12], 16**-0.5)
     a, b = (load_model(resolve_model(str(p)), torch.float32) for p in (stacked, old))
     assert torch.equal(a.compute_logits(a(ids, torch.arange(12), att)), b.compute_logits(b(ids, torch.arange(12), att)))
+
+
+def random_q4_k_stack(rng: Any, n_exp: int, rows: int, cols: int) -> Any:
+    """Valid random Q4_K blocks for an (experts, rows, cols) stack: (E, rows, cols / 256 * 144) uint8."""
+    import numpy as np
+
+    nb = n_exp * rows * cols // 256
+    blocks = rng.integers(0, 256, size=(nb, 144), dtype=np.uint8)
+    d = (rng.choice([-1.0, 1.0], nb) * rng.uniform(0.5, 1.5, nb) * 1e-3).astype(np.float16)
+    dmin = (rng.uniform(0.5, 1.5, nb) * 1e-3).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    blocks[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n_exp, rows, cols // 256 * 144)
+
+
+def test_q4_k_expert_stacks_match_the_dequantized_reference(tmp_path: Path) -> None:
+    """Real MoE GGUFs are K-quants (Q4_K_M): experts as Q4_K stacks, against transformers on their values."""
+    import json
+    import shutil
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+    from safetensors.numpy import load_file, save_file
+
+    d = make_arch_dir(tmp_path / "wide", "qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64, seed=2)
+    f32 = write_arch_gguf(d, tmp_path / "f32.gguf", "F32")
+    q4k = tmp_path / "q4k.gguf"
+    r, w = GGUFReader(str(f32)), GGUFWriter(str(q4k), "qwen3moe")
+    for key, field in r.fields.items():
+        if key.startswith("qwen3moe."):
+            w.add_key_value(key, field.contents(), field.types[0])
+    rng = np.random.default_rng(0)
+    twin = tmp_path / "twin"
+    shutil.copytree(d, twin)
+    sd = load_file(str(d / "model.safetensors"))
+    kinds = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    for t in r.tensors:
+        arr = np.array(t.data)
+        parts = t.name.split(".")
+        layer, kind = (parts[1], parts[2]) if len(parts) == 4 else ("", "")
+        if kind in kinds:
+            n_exp, rows, cols = arr.shape
+            blocks = random_q4_k_stack(rng, n_exp, rows, cols)
+            w.add_tensor(t.name, blocks, raw_dtype=GGMLQuantizationType.Q4_K)
+            values = quants.dequantize(blocks, GGMLQuantizationType.Q4_K).reshape(n_exp, rows, cols)
+            for e in range(n_exp):
+                sd[f"model.layers.{layer}.mlp.experts.{e}.{kinds[kind]}.weight"] = values[e].astype(np.float32)
+        else:
+            w.add_tensor(t.name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    save_file(sd, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((twin / "config.json").read_text())["hidden_size"] == 256
+    ids = ids_of(16, 8)
+    with torch.no_grad():
+        ref = hf_model(twin)(ids[None]).logits[0]
+    att = flat_batch_attention([0, 16], 64**-0.5)
+    exact = load_model(resolve_model(str(q4k)), torch.float32, quantization="none")
+    assert (exact.compute_logits(exact(ids, torch.arange(16), att)) - ref).abs().max().item() <= 1e-3
+    native = load_model(resolve_model(str(q4k)), torch.float32, quantization="auto")
+    assert all(ex.gate_up.is_quantized for layer in native.layers for ex in layer.moe.experts)
+    got = native.compute_logits(native(ids, torch.arange(16), att))
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).sort().values
+    assert rel[int(0.9 * len(rel)) - 1] < 0.1, f"Q4_K experts on the kernels: {rel.tolist()}"
