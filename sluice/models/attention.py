@@ -22,7 +22,12 @@ It needs: per sequence, the oldest position any layer still reads,
 whose out-of-window blocks go back to the pool as the sequence grows.
 
 Batch invariance: each sequence is attended on its own, over its own keys in
-order, so its result does not depend on the other sequences of the step.
+order, so its result does not depend on the other sequences of the step.  It
+may depend (in the last bits) on how a prompt was chunked: torch's matmuls
+reduce a row differently for different numbers of rows, where the cpu_paged
+kernel reduces each row over exactly its own keys (NOTE(batch-invariance) in
+sluice/engine/attention.py).  A window and soft-capping in that kernel would
+restore it; the engine would then offer them as ``attend_ext``.
 """
 
 from __future__ import annotations
