@@ -3,6 +3,7 @@
     detect_format(source)                     -> 'gguf' | 'sluice' | 'awq' | 'gptq' | 'float'
     served_quantized(source, "auto")          -> True: the engine's linears will be quantized
     weights_bytes(source)                     -> the checkpoint's weight files, in bytes
+    describe(source)                          -> {"architecture", "num_parameters", "num_active_parameters", ...}
 
 The API process asks these before it starts its engine cores (NOTE(dp-auto) in
 ``sluice.server.lanes``), so they read only small files: config.json, the
@@ -21,7 +22,7 @@ from sluice.models.source import ModelSource
 
 __all__ = [
     "HUB_METHODS", "MANIFEST", "detect_format", "is_sluice_checkpoint", "quant_method", "read_quant_config",
-    "served_quantized", "weights_bytes",
+    "served_quantized", "weights_bytes", "describe",
 ]
 
 HUB_METHODS = ("awq", "gptq")
@@ -92,3 +93,26 @@ def weights_bytes(source: ModelSource) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+
+
+def describe(source: ModelSource) -> dict[str, Any]:
+    """What ``/v1/models`` and ``sluice doctor`` show of a checkpoint, without loading it: the
+    architecture, the parameter count, the active parameters per token (MoE: the top-k experts)
+    and the weight files' bytes.  A HF folder reads its config.json; a GGUF file its header (or the
+    config the converted-weights cache kept).  A loaded model says the same and its served bytes
+    (``LlamaForCausalLM.summary()``)."""
+    from sluice.models.config import ModelConfig
+    from sluice.models.files import load_model_config
+
+    try:
+        cfg = ModelConfig.from_hf(load_model_config(source))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"model {source.path}: bad config: {e}") from e
+    return {
+        "architecture": cfg.arch,
+        "num_parameters": cfg.num_parameters(),
+        "num_active_parameters": cfg.num_parameters(active=True),
+        "num_experts": cfg.num_experts,
+        "num_experts_per_token": cfg.num_experts_per_tok,
+        "weight_file_bytes": weights_bytes(source),
+    }

@@ -239,3 +239,15 @@ def test_the_converted_weights_cache_rebuilds_the_same_model(arch_dirs: dict[str
     assert list((tmp_path / "cache" / "models-v3").glob("*/*/manifest.json")), "the first load wrote the cache"
     again = load_model(resolve_model(str(g)), torch.float32, quantization="auto")
     assert torch.equal(sluice_logits(first, ids), sluice_logits(again, ids)), "the cached model computes the same bits"
+
+
+def test_describe_says_the_architecture_and_sizes_without_loading(arch_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from sluice.models.formats import describe
+
+    hf = describe(resolve_model(str(arch_dirs["qwen3_moe"])))
+    assert hf["architecture"] == "qwen3_moe" and hf["num_active_parameters"] < hf["num_parameters"]
+    assert hf["num_experts"] == 8 and hf["num_experts_per_token"] == 2 and hf["weight_file_bytes"] > 0
+    g = write_arch_gguf(arch_dirs["qwen3_moe"], tmp_path / "m.gguf", "Q8_0")
+    gg = describe(resolve_model(str(g)))
+    assert {k: gg[k] for k in ("architecture", "num_parameters", "num_active_parameters")} == {
+        k: hf[k] for k in ("architecture", "num_parameters", "num_active_parameters")}
