@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from sluice.errors import OverloadedError
-from sluice.server import admission
+from sluice.server import admission, slo
 from sluice.server.telemetry import PRIORITIES, REJECT_REASONS, ServerMetrics
 from sluice.types import Priority
 from tests.server.admission_sim import run_closed_loop
@@ -60,7 +60,8 @@ def test_a_lone_class_is_refused_only_past_the_longest_wait_and_by_its_target_be
     a = controller("auto", clock)
     a.observe_stats(stats(num_waiting_by_priority=[0, 20, 0], num_prefill_tokens_by_priority=[0, 20_000, 0]))
     d = a.admit("p1-lone", Priority.P1, 116, 100)  # ~20 s behind 20k tokens, over the 2 s derived target
-    assert d.predicted_ttft is not None and d.target == 2.0 and d.predicted_ttft > 10 * d.target
+    assert d.predicted_ttft is not None and d.predicted_ttft > 10 * 2.0
+    assert d.target == a.max_queue_wait, "alone, the engine gets the bound, not the 2 s target (no step cap for it)"
     a.max_queue_wait = 10.0
     with pytest.raises(OverloadedError) as e:
         a.admit("p1-long", Priority.P1, 116, 100)
@@ -72,7 +73,12 @@ def test_a_lone_class_is_refused_only_past_the_longest_wait_and_by_its_target_be
         a.admit("p1-mixed", Priority.P1, 116, 100)
     assert e.value.code == "slo_unattainable"
     clock.now += admission.ACTIVE_WINDOW_S + admission.REFUSED_ABOVE_S
-    assert a.admit("p1-later", Priority.P1, 116, 100).predicted_ttft is not None, "the P0 is gone: P1 is alone again"
+    a.admit("p2", Priority.P2, 116, 100)
+    assert a.admit("p1-beside-p2", Priority.P1, 116, 100).target == 2.0, "beside P2 the engine gets P1's target"
+    a.remove("p2")
+    a.remove("p1-beside-p2")
+    clock.now += admission.ACTIVE_WINDOW_S
+    assert a.admit("p1-later", Priority.P1, 116, 100).target == a.max_queue_wait, "the others are gone: alone"
 
 
 def test_p0_alone_is_queued_and_beside_a_lower_class_keeps_its_derived_target() -> None:
@@ -80,7 +86,9 @@ def test_p0_alone_is_queued_and_beside_a_lower_class_keeps_its_derived_target() 
     a = controller("auto", clock)
     a.observe_stats(stats(num_waiting_by_priority=[20, 0, 0], num_prefill_tokens_by_priority=[2_000, 0, 0]))
     d = a.admit("p0-lone", Priority.P0, 116, 100)
-    assert d.predicted_ttft is not None and d.target is not None and d.predicted_ttft > d.target
+    derived = 4 * slo.unloaded_ttft(a.load(), 100)
+    assert d.predicted_ttft is not None and d.predicted_ttft > derived, "admitted past its derived target"
+    assert d.target == a.max_queue_wait
     a.observe_stats(stats(num_waiting_by_priority=[20, 0, 0], num_prefill_tokens_by_priority=[2_000, 0, 0],
                           num_running_by_priority=[0, 0, 1]))  # fmt: skip
     with pytest.raises(OverloadedError) as e:
