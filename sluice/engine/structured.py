@@ -232,6 +232,7 @@ class GrammarCompiler:
 
     def _run(self, key: tuple[str, str]) -> _Entry:
         spec = ""
+        error: str | None = None
         try:
             tokenizer = self.tokenizer  # built once, by the first job: not part of any compile's time
         except Exception as e:  # noqa: BLE001 -- every request then ends with this error instead of waiting
@@ -242,7 +243,7 @@ class GrammarCompiler:
                 raise RuntimeError(error)
             spec = grammar_spec(*key)
             matcher = self.compile_fn(key[0], spec, tokenizer)
-            error = matcher.get_error() if matcher.is_error() else None
+            error = str(matcher.get_error()) if matcher.is_error() else None
         except Exception as e:  # noqa: BLE001 -- a grammar the library refuses, whatever the exception
             matcher, error = None, str(e) or type(e).__name__
         seconds = time.monotonic() - t0
