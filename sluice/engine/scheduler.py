@@ -343,7 +343,8 @@ class Scheduler:
                 yield r, r.num_tokens - r.num_computed_tokens
         size = self.block_manager.block_size
         for r in self.waiting.of_class(Priority.P0):
-            yield r, r.num_tokens - size * len(self.block_manager.lookup_prefix(r))
+            if not r.is_waiting_for_grammar:  # it cannot start yet (NOTE(grammar-wait))
+                yield r, r.num_tokens - size * len(self.block_manager.lookup_prefix(r))
 
     def urgent_prefill(self) -> tuple[int, int]:
         """(sequences, tokens) of P0 prefill work with a TTFT target: waiting, or a chunked prefill running."""
@@ -352,7 +353,7 @@ class Scheduler:
             if r.priority == Priority.P0 and not r.is_prefill_done and r.ttft_target > 0.0:
                 n, t = n + 1, t + r.num_tokens - r.num_computed_tokens
         for r in self.waiting.of_class(Priority.P0):
-            if r.ttft_target > 0.0:
+            if r.ttft_target > 0.0 and not r.is_waiting_for_grammar:
                 n, t = n + 1, t + r.num_tokens
         return n, t
 
