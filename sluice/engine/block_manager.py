@@ -173,6 +173,18 @@ class BlockManager:
         req.block_ids = []
         req.block_hashes = []
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first ``num_tokens`` tokens (the slots of rejected
+        speculative drafts: never registered, they are reused first)."""
+        keep = max(self.blocks_needed(num_tokens), len(req.block_hashes))
+        while len(req.block_ids) > keep:
+            b = req.block_ids.pop()
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                if self.hash_by_block[b] is None:
+                    self.free.move_to_end(b, last=False)
+
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register hashes for the request's blocks that are full and computed."""
         if not self.enable_prefix_caching:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from sluice.engine.spec_config import parse_speculative_config
 from sluice.errors import ConfigError
 from sluice.settings import setting
 
@@ -184,6 +186,12 @@ class EngineConfig:
     structured_cache_memory: int = field(default=256 * 1024**2, metadata=setting(
         "Structured outputs: memory the compiled grammars kept may take (estimated), e.g. 256MiB.",
         parse=parse_bytes))
+    speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
+        "Speculative decoding (docs/speculative.md), JSON with vLLM's names: "
+        "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, "
+        "{\"model\": \"self:q4\", \"num_speculative_tokens\": 4} (the target's own 4-bit copy drafts), or auto; "
+        "k adapts to the load unless \"k_policy\": \"fixed\". Greedy and seeded output are unchanged.",
+        parse=parse_speculative_config))
 
     def validate(self) -> None:
         """Range and name checks; ``ConfigError`` naming the field (``.setting``)."""
@@ -225,6 +233,10 @@ class EngineConfig:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.kv_disk_size < 1:
             raise bad("kv_disk_size", f"must be > 0, got {self.kv_disk_size}")
+        try:  # LLM(speculative_config={...}) and EngineCore(...) give it unparsed
+            self.speculative_config = parse_speculative_config(self.speculative_config)
+        except ConfigError as e:
+            raise bad("speculative_config", e.message) from None
         if self.scheduling_policy not in {p.value for p in SchedulingPolicy}:
             names = ", ".join(p.value for p in SchedulingPolicy)
             raise bad("scheduling_policy", f"unknown policy {self.scheduling_policy!r}: use {names}")

@@ -30,10 +30,15 @@ from sluice.engine.protocol import (
     EngineRequest,
     EngineStats,
     LoRALoadRecord,
+    SamplingParams,
 )
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampler import SamplingRow
 from sluice.engine.scheduler import Scheduler, SchedulerOutput
+from sluice.engine.spec.draft import DraftModel, draft_source
+from sluice.engine.spec.proposer import make_proposer
+from sluice.engine.spec.speculator import Speculator
+from sluice.engine.spec_config import SpeculativeConfig
 from sluice.engine.step_model import StepTimeModel
 from sluice.engine.structured import (
     GrammarCompiler,
@@ -121,6 +126,10 @@ class EngineCore:
         self._step_budget: int | None = None  # the step in flight's token budget
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request (grammars)
         self._compiling: dict[str, Request] = {}  # request_id -> a waiting request whose grammar compiles
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            spec = SpeculativeConfig.from_dict(config.speculative_config)
+            self.speculator = Speculator(spec, make_proposer(spec, self._load_draft), self.runner.max_model_len)
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -135,6 +144,13 @@ class EngineCore:
             quantization=self.runner.quantization,
             kernel_path=self.runner.kernel_path,
         )
+
+    # ------------------------------------------------------------ speculation
+
+    def _load_draft(self, model: str) -> DraftModel:
+        source, quantization = draft_source(model, self.source)
+        return DraftModel(self.config, source, quantization, self.runner.num_blocks, self.runner.dtype,
+                          self.runner.model_config.vocab_size)  # fmt: skip
 
     # ------------------------------------------------------------ requests
 
@@ -155,6 +171,11 @@ class EngineCore:
             self._compiling[rid] = req
         if sp.seed is not None:
             self.generators[rid] = torch.Generator().manual_seed(sp.seed % (2**64))
+        elif self.speculator is not None and not sp.is_greedy:
+            # NOTE(coupled-drafts) in engine.spec.proposer: a sampled request drafts with its own generator's
+            # noise, so each gets one, seeded from the engine's
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.runner.sampler.generator))
+            self.generators[rid] = torch.Generator().manual_seed(seed)
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -278,6 +299,8 @@ class EngineCore:
         self.scheduler.row_cap = self._row_cap(target)
         budget = self._token_budget(target)
         express = self._express(budget)
+        if self.speculator is not None:  # NOTE(adaptive-k): drafts per running decode (an express step takes none)
+            self.speculator.plan(self.scheduler, self.step_model, budget)
         sched = self.scheduler.schedule(self._express_budget(budget) if express else budget, express)
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
             express = False
@@ -304,8 +327,16 @@ class EngineCore:
 
     def _run(self, sched: SchedulerOutput, between_layers: Callable[[int], bool] | None = None) -> list[EngineOutput]:
         """Execute a planned step and apply it: the scheduler's outputs, the KV tier's new blocks."""
-        tokens, logprobs = self.runner.execute(sched, self._sampling_rows(sched), between_layers)
-        outputs = self.scheduler.update_from_output(sched, tokens, logprobs)
+        spec = self.speculator
+        if spec is not None:
+            spec.propose(sched, self.generators)  # the drafts of the decodes given draft slots
+        rows = self._sampling_rows(sched)
+        tokens, logprobs = self.runner.execute(sched, rows, between_layers)
+        runs = None
+        if spec is not None:
+            tokens, logprobs, runs = spec.verify(sched, tokens, logprobs, rows, self.generators)
+            spec.observe(sched, runs)
+        outputs = self.scheduler.update_from_output(sched, tokens, logprobs, runs)
         if self.kv_tiers is not None:  # NOTE(write-through) in kv_tiers.connector
             self.kv_tiers.store_new(self.block_manager.take_newly_cached())
         return outputs
@@ -315,6 +346,8 @@ class EngineCore:
             if out.finished:
                 self.generators.pop(out.request_id, None)
                 self.lora.release(out.request_id)
+                if self.speculator is not None:
+                    self.speculator.forget([out.request_id])
 
     def _count_step(self, kind: int, seconds: float, num_tokens: int) -> None:
         """Count one step's time and tokens: the totals by kind, and the decayed express share.
@@ -561,7 +594,18 @@ class EngineCore:
             banned: list[int] = []
             if req.num_output_tokens < sp.min_tokens:
                 banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.eos_token_ids))
-            row = SamplingRow(sp, req.token_ids, req.num_prompt_tokens, self.generators.get(req.request_id), banned)
+            gen = self.generators.get(req.request_id)
+            if s.num_spec and self.speculator is not None:  # one row per position (NOTE(coupled-verification))
+                def make_row(ids: list[int], n_out: int, sp: SamplingParams = sp, gen: torch.Generator | None = gen) -> SamplingRow:
+                    ban = [] if n_out >= sp.min_tokens else list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.eos_token_ids))
+                    return SamplingRow(sp, ids, len(ids) - n_out, gen, ban)
+
+                spec_rows = self.speculator.rows(s, make_row)
+                rows.extend(spec_rows)
+                if req.grammar is not None:  # NOTE(spec-grammar): each position masked by its own state
+                    constrained.extend(zip(spec_rows, self.speculator.grammar_states(s)))
+                continue
+            row = SamplingRow(sp, req.token_ids, req.num_prompt_tokens, gen, banned)
             rows.append(row)
             if req.grammar is not None:
                 if req.grammar.num_accepted != req.num_output_tokens:  # never, unless a path forgot to feed it
@@ -650,6 +694,7 @@ class EngineCore:
             num_loading=len(sch.loading),
             kv_tiers=[self.kv_tiers.make_stats()] if self.kv_tiers is not None else [],
             **self._structured_stats(),
+            **(self.speculator.make_stats() if self.speculator is not None else {}),
         )
 
     def _structured_stats(self) -> dict[str, Any]:

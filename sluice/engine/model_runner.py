@@ -134,7 +134,11 @@ class ModelRunner:
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + n])
+            if s.num_spec:  # speculation: the drafts after its known tokens (NOTE(spec-slots) in the scheduler)
+                input_ids.extend(req.token_ids[start : start + n - s.num_spec])
+                input_ids.extend(s.spec_token_ids)
+            else:
+                input_ids.extend(req.token_ids[start : start + n])
             pos = range(start, start + n)
             positions.extend(pos)
             blocks = req.block_ids
@@ -142,8 +146,8 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(blocks)
-            if s.samples:
-                sample_idx.append(qsl[-1] - 1)
+            if s.samples:  # a drafting decode samples every position from its pending token on
+                sample_idx.extend(range(qsl[-1] - 1 - s.num_spec, qsl[-1]))
         max_blocks = max(len(t) for t in tables)
         bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
         for i, t in enumerate(tables):

@@ -316,6 +316,13 @@ class EngineStats(msgspec.Struct, kw_only=True):
     structured_mask_buckets: list[int] = msgspec.field(default_factory=list)  # per step
     structured_tokens: int = 0  # output tokens of constrained requests (sampled and jump-forward)
     jump_forward_tokens: int = 0  # of them appended by jump-forward, without a decode step each
+    # speculative decoding (docs/speculative.md); counters cumulative, '' / zeros while it is off
+    spec_method: str = ""  # the proposer: 'ngram' or 'draft_model'
+    spec_drafted_tokens: int = 0  # draft tokens the target verified
+    spec_accepted_tokens: int = 0  # ... of them kept (acceptance rate: accepted / drafted)
+    spec_emitted_tokens: int = 0  # tokens emitted by the verifying rows (kept drafts + the target's own token)
+    spec_verify_runs: int = 0  # (request, step) pairs that verified drafts (mean accepted length: accepted / runs)
+    spec_k_counts: list[int] = msgspec.field(default_factory=list)  # [k]: times the policy chose k drafts for a request
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True):

@@ -80,6 +80,7 @@ class Request:
         # without a decode step each; the next step computes them with that token, as one chunk
         self.num_forced_tokens = 0
         self.error: EngineError | None = None  # why it was ended, when the engine ended it (its grammar failed)
+        self.spec_k = 0  # tokens it may draft this step (set by the engine's Speculator before the schedule)
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, clock: Callable[[], float] = time.monotonic) -> Request:

@@ -40,6 +40,7 @@ class SamplingRow:
     banned: list[int]  # token ids masked this step (EOS / stop ids under min_tokens)
     # the grammar's mask (waits for it): a (vocab,) float32 to add to the logits, 0 = allowed, -inf = not
     mask_bias: Callable[[], torch.Tensor] | None = None
+    states: list[torch.Tensor] | None = None  # speculation: its generator's state after its draw is appended here
 
 
 def _argmax_kernel() -> Any:
@@ -95,6 +96,8 @@ class Sampler:
                 # exponential race: argmax p / E with E ~ Exp(1) draws from p
                 q = torch.empty_like(probs[j]).exponential_(1.0, generator=gen)
                 tokens[i] = int((probs[j] / q).argmax())
+                if rows[i].states is not None:  # NOTE(coupled-verification) in engine.spec.verify
+                    rows[i].states.append(gen.get_state())
 
         out_lp: list[TokenLogprobs | None] = [None] * n
         if logprobs_all is not None:

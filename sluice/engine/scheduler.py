@@ -78,15 +78,18 @@ BEHIND_STEPS = 2.0  # ... or once what is left of its target is less than this m
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
     samples: bool = field(init=False)  # a token is sampled: the chunk reaches the last known token
     is_prefill: bool = field(init=False)  # not a one-token decode
+    num_spec: int = field(init=False)  # of num_new_tokens, draft slots after its known tokens (speculation)
+    spec_token_ids: list[int] = field(init=False, default_factory=list)  # the drafts (the engine's Speculator)
 
     def __post_init__(self) -> None:
         req = self.request
         self.samples = req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
-        # a decode computes its newest token, and the ones jump-forward appended after it
-        self.is_prefill = not (req.is_prefill_done and self.num_new_tokens <= 1 + req.num_forced_tokens)
+        self.num_spec = max(0, req.num_computed_tokens + self.num_new_tokens - req.num_tokens)
+        # a decode computes its newest token, and the ones jump-forward appended after it (and its drafts)
+        self.is_prefill = not (req.is_prefill_done and self.num_new_tokens - self.num_spec <= 1 + req.num_forced_tokens)
 
 
 @dataclass
@@ -221,6 +224,7 @@ class Scheduler:
         self.block_manager.free_request(victim)
         victim.num_computed_tokens = 0
         victim.num_forced_tokens = 0  # recomputed with the rest
+        victim.spec_k = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -412,8 +416,13 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: _Step, req: Request) -> None:
-        """Give a running request its next chunk; a block shortage preempts the lowest class, newest (maybe itself)."""
-        n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        """Give a running request its next chunk; a block shortage preempts the lowest class, newest (maybe itself).
+
+        NOTE(spec-slots): a decode that drafts (``spec_k``, speculation) gets its draft tokens too, as many as
+        the budget leaves; their blocks are allocated with the rest, and the ones the target rejects are
+        given back after the step (``update_from_output``).
+        """
+        n = min(req.num_tokens - req.num_computed_tokens + (req.spec_k if req.is_prefill_done else 0), step.budget)
         while not self.block_manager.allocate(req, req.num_computed_tokens + n):
             victim = self.running[-1]
             self._preempt(victim, step)
@@ -553,19 +562,29 @@ class Scheduler:
     # ------------------------------------------------------------ update
 
     def update_from_output(
-        self, sched: SchedulerOutput, sampled_token_ids: list[int], logprobs: list[TokenLogprobs | None]
+        self,
+        sched: SchedulerOutput,
+        sampled_token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+        runs: dict[str, tuple[list[int], list[TokenLogprobs | None]]] | None = None,
     ) -> list[EngineOutput]:
         """Apply one executed step: advance progress, append sampled tokens, finish stopped requests.
 
         ``sampled_token_ids`` / ``logprobs`` hold one entry per scheduled request
         that samples (``ScheduledRequest.samples``), in ``sched.scheduled`` order.
-        Returns one output per sampled token.
+        ``runs``: request_id -> the tokens (and logprobs) a request that drafted
+        emits (speculation: its kept drafts and the target's token after them).
+        Returns one output per sampled token (per run).
         """
         now = self.clock()
         outputs: list[EngineOutput] = []
         i = 0
         for s in sched.scheduled:
             req = s.request
+            if s.num_spec and runs is not None and req.request_id in runs:
+                i += 1
+                outputs.append(self._apply_run(s, *runs[req.request_id], now))
+                continue
             req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
             if not s.samples:
@@ -583,6 +602,57 @@ class Scheduler:
                 self._finish(req, status, now)
             outputs.append(self._emit(req, tok, lp))
         return outputs
+
+    def _apply_run(self, s: ScheduledRequest, run: list[int], lps: list[TokenLogprobs | None], now: float) -> EngineOutput:
+        """Apply a drafting decode's step: its emitted run, token by token.
+
+        NOTE(spec-update): the K/V computed this step hold the request's pending token and its
+        drafts; those of the kept drafts are valid (the run's last token is the target's own and
+        is computed next step).  A stop (EOS, a stop id, max_tokens, the context) inside the run
+        ends the request at that token and drops the rest.  Only blocks full of accepted tokens
+        are published to the prefix cache, and blocks past the request's tokens (rejected drafts'
+        slots) go back to the free list.
+        """
+        req = s.request
+        computed = req.num_computed_tokens + s.num_new_tokens - s.num_spec + len(run) - 1
+        status = None
+        n = 0
+        for tok in run:
+            req.token_ids.append(tok)
+            n += 1
+            status = self._check_stop(req, tok)
+            g = req.grammar
+            if g is not None and status is not RequestStatus.FINISHED_STOPPED:
+                if n == len(run):  # the run's last token: what the grammar forces next is appended (jump-forward)
+                    status = self._advance_grammar(req, tok)
+                elif not g.accept(tok):  # never: the drafts were validated and every row masked
+                    req.error = _grammar_error(f"the grammar refused token {tok}: {g.error or 'no reason given'}")
+                    status = RequestStatus.FINISHED_ABORTED
+                elif g.is_done:
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break
+        req.num_computed_tokens = min(computed, req.num_tokens - 1)
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+        self.block_manager.trim(req, req.num_tokens)
+        if status is not None:
+            self._finish(req, status, now)
+        return self._emit_run(req, lps[:n])
+
+    def _emit_run(self, req: Request, lps: list[TokenLogprobs | None]) -> EngineOutput:
+        """The output of an emitted run (and of the tokens jump-forward appended after it: logprob 0)."""
+        new = req.token_ids[req.num_prompt_tokens + req.num_emitted :]
+        req.num_emitted = req.num_output_tokens
+        if req.grammar is not None:
+            self.num_structured_tokens += len(new)
+        kept = [lp for lp in lps if lp is not None]
+        if not kept or len(kept) != len(lps):
+            return self._make_output(req, new, None)
+        k = req.sampling.logprobs or 0
+        kept += [TokenLogprobs(t, 0.0, [(t, 0.0)] if k > 0 else []) for t in new[len(kept) :]]
+        return self._make_output(req, new, kept)
 
     def _advance_grammar(self, req: Request, tok: int) -> RequestStatus | None:
         """Feed a sampled token to the request's grammar; append what it forces next (jump-forward).
