@@ -33,6 +33,11 @@ Structured outputs (issue 54; docs/structured_outputs.md)::
     sluice_structured_compile_seconds / _mask_seconds (per step)                                      histograms
     sluice_structured_mask_wait_seconds_total / _tokens_total, sluice_jump_forward_tokens_total      counters
 
+Speculative decoding (issue 55; docs/speculative.md), while it is configured::
+
+    sluice_spec_drafted_tokens_total / _accepted_tokens_total / _emitted_tokens_total / _verify_runs_total{method}
+    sluice_spec_k_chosen_total{k}                      counters: how often the policy chose each k
+
 SLO admission (issue 11; ``sluice.server.admission``)::
 
     sluice_predicted_ttft_seconds{priority}            gauge: predicted TTFT of a new request now (mean prompt)
@@ -231,6 +236,8 @@ class EngineStatsCollector(Collector):
         yield g
         yield from _kv_tier_metrics(s)
         yield from _structured_metrics(s)
+        if s.spec_method:
+            yield from _spec_metrics(s)
 
         if s.lora is not None:
             yield from _lora_metrics(s)
@@ -276,6 +283,23 @@ def _structured_metrics(s: EngineStats) -> Iterator[Metric]:
                               "forward pass did not hide.", value=s.structured_mask_wait_seconds)  # fmt: skip
     yield CounterMetricFamily("sluice_structured_tokens", "Output tokens of constrained requests.", value=s.structured_tokens)
     yield CounterMetricFamily("sluice_jump_forward_tokens", "Output tokens a grammar forced, appended without a decode step each.", value=s.jump_forward_tokens)
+
+
+def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding (docs/speculative.md), by proposer (``method``)."""
+    for name, doc, value in (
+        ("sluice_spec_drafted_tokens", "Draft tokens the target verified.", s.spec_drafted_tokens),
+        ("sluice_spec_accepted_tokens", "Draft tokens the target kept (acceptance: accepted / drafted).", s.spec_accepted_tokens),
+        ("sluice_spec_emitted_tokens", "Tokens emitted by verifying rows: kept drafts and the target's own token.", s.spec_emitted_tokens),
+        ("sluice_spec_verify_runs", "Request steps that verified drafts (mean kept run: accepted / runs).", s.spec_verify_runs),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["method"])
+        c.add_metric([s.spec_method], value)
+        yield c
+    k = CounterMetricFamily("sluice_spec_k_chosen", "Times the speculation policy chose k drafts for a request.", labels=["k"])
+    for i, n in enumerate(s.spec_k_counts):
+        k.add_metric([str(i)], n)
+    yield k
 
 
 def _lora_metrics(s: EngineStats) -> Iterator[Metric]:
