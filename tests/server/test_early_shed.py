@@ -101,14 +101,19 @@ def test_the_early_floor_lasts_early_shed_s_and_yields_to_a_longer_prompts_targe
 
 
 def test_a_lone_class_refused_past_the_longest_wait_is_refused_early_against_that_wait() -> None:
-    # NOTE(lone-class): P1 alone, a derived target: refused only past max_queue_wait (90 s), behind 100k tokens
+    # NOTE(lone-class), NOTE(measured-ceiling): P1 alone, a derived target: refused only once its queue shows a
+    # wait past max_queue_wait (90 s), whatever the model predicts
     clock = FakeClock()
-    a = _refused_p1(clock, "auto", 100_000)
+    a = controller("auto", clock)
+    a.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, 100_000, 0]))
+    a.admit("p1-old", Priority.P1, 116, 100)  # predicted ~100 s, admitted: nobody has waited yet
+    clock.now += 95.0
+    with pytest.raises(OverloadedError):
+        a.admit("p1", Priority.P1, 116, 100)
     e = a.refuse_early(Priority.P1, 10)
     assert e is not None and e.code == "wait_too_long", "the floor is over the 90 s wait, not just the 2 s target"
-    lone = _refused_p1(FakeClock(), "auto", 100_000)
-    lone.max_queue_wait = 10_000.0
-    assert lone.refuse_early(Priority.P1, 10) is None, "a floor within the longest wait is parsed and admitted"
+    a.max_queue_wait = 10_000.0
+    assert a.refuse_early(Priority.P1, 10) is None, "a floor within the longest wait is parsed and admitted"
 
 
 async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_counts_it(server_factory) -> None:

@@ -63,6 +63,8 @@ def test_a_lone_class_is_refused_only_past_the_longest_wait_and_by_its_target_be
     assert d.predicted_ttft is not None and d.predicted_ttft > 10 * 2.0
     assert d.target == a.max_queue_wait, "alone, the engine gets the bound, not the 2 s target (no step cap for it)"
     a.max_queue_wait = 10.0
+    a.admit("p1-next", Priority.P1, 116, 100)  # predicted ~20 s, but nobody has waited yet (NOTE(measured-ceiling))
+    clock.now += 11.0  # the oldest queued P1 has now waited past the 10-s ceiling
     with pytest.raises(OverloadedError) as e:
         a.admit("p1-long", Priority.P1, 116, 100)
     assert e.value.code == "wait_too_long" and "--max-queue-wait" in str(e.value)
@@ -119,5 +121,17 @@ async def test_the_server_queues_a_lone_class_by_default_and_honours_max_queue_w
 
     r = await second_p1(server_factory(step_delay=0.1, max_num_seqs=1))
     assert r.status_code == 200, f"no --slo: a lone P1 is queued and served: {r.text}"
-    r = await second_p1(server_factory(step_delay=0.1, max_num_seqs=1, max_queue_wait=1.0))
-    assert r.status_code == 429 and r.json()["error"]["code"] == "wait_too_long", r.text
+    # past --max-queue-wait: a P1 queued behind the running one has waited 1.3 s of the 1-s ceiling
+    srv = server_factory(step_delay=0.1, max_num_seqs=1, max_queue_wait=1.0)
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+        first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 30}))
+        deadline = time.monotonic() + 10
+        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        queued = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}))
+        await asyncio.sleep(1.3)
+        r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "wait_too_long", r.text
+        assert (await first).status_code == 200
+        late = await queued  # ~3 s behind the first: past 2 x the ceiling it is shed as overdue (NOTE(overdue))
+        assert late.status_code == 200 or late.json()["error"]["code"] == "expired", late.text
