@@ -268,3 +268,7 @@ class ModelInfo:
     attention_backend: str
     quantization: str = "none"  # what the weights are served as: 'none' or e.g. 'gguf:Q4_1+Q8_0'
     kernel_path: str = ""  # quantized GEMM path picked at start-up ('' when nothing is quantized)
+    architecture: str = ""  # the decoder's family: 'llama', 'qwen3', 'gemma3', 'qwen3_moe', ... ('' when unknown)
+    num_parameters: int = 0  # weights of the model (every expert of a MoE)
+    num_active_parameters: int = 0  # weights one token runs through (MoE: the top-k experts); = num_parameters if dense
+    weight_bytes: int = 0  # bytes of the weights as served (packed quantized linears, float norms)

@@ -130,6 +130,7 @@ class EngineCore:
         if config.speculative_config is not None:
             spec = SpeculativeConfig.from_dict(config.speculative_config)
             self.speculator = Speculator(spec, make_proposer(spec, self._load_draft), self.runner.max_model_len)
+        summary = self.runner.model.summary()  # what /v1/models and doctor show of the model
         self.model_info = ModelInfo(
             name=self.source.name,
             path=str(self.source.path),
@@ -143,6 +144,10 @@ class EngineCore:
             attention_backend=self.runner.attention.name,
             quantization=self.runner.quantization,
             kernel_path=self.runner.kernel_path,
+            architecture=summary["architecture"],
+            num_parameters=summary["num_parameters"],
+            num_active_parameters=summary["num_active_parameters"],
+            weight_bytes=summary["weight_bytes"],
         )
 
     # ------------------------------------------------------------ speculation

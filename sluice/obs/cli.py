@@ -133,6 +133,11 @@ def render(r: dict[str, Any]) -> str:
         exts = ", ".join(f"{name} {info.get('how')}" for name, info in k.get("extensions", {}).items())
         lines.append(f"kernels    {exts or 'none'}; quantized GEMM paths: {', '.join(k.get('qlinear_paths', []))} "
                      f"(would pick {k.get('would_pick')}; measured per shape at start-up)")  # fmt: skip
+    m = r.get("model")
+    if m is not None and m.get("error"):
+        lines.append(f"model      {m['name']}: unavailable: {m['error']}")
+    elif m is not None:
+        lines.append(f"model      {m['name']}: {_model_line(m)}")
     warnings = r.get("warnings", [])
     if warnings:
         lines.append("")
@@ -142,3 +147,14 @@ def render(r: dict[str, Any]) -> str:
     else:
         lines.append("advice     nothing to fix")
     return "\n".join(lines) + "\n"
+
+
+def _model_line(m: dict[str, Any]) -> str:
+    """``llama, 134.5M parameters, 98.4 MB of weights`` (MoE: ``30.5B parameters, 3.3B active per token``)."""
+    total, active = m["num_parameters"], m["num_active_parameters"]
+    moe = f", {_count(active)} active per token ({m['num_experts_per_token']} of {m['num_experts']} experts)" if active != total else ""
+    return f"{m['architecture']}, {_count(total)} parameters{moe}, {m['weight_file_bytes'] / 1e6:.1f} MB of weight files"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

@@ -14,7 +14,7 @@ loopback alone and without keys, and 403 to everyone else.
 
 ``doctor_report`` is the server's part of ``sluice doctor``: whether the
 ``sluice serve`` configured by this environment (``SLUICE_*``, ``SLUICE_CONFIG``)
-would listen beyond loopback without keys.
+would listen beyond loopback without keys, and what its model is (architecture, sizes).
 """
 
 from __future__ import annotations
@@ -107,6 +107,19 @@ def _json(doc: Any) -> Response:
     return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
+def model_report(spec: str) -> dict[str, Any]:
+    """``model`` for ``sluice doctor``: the configured model's architecture, parameters, active parameters
+    per token (MoE) and weight file bytes, read from its config or GGUF header without loading it
+    (``/v1/models`` shows the served bytes once loaded)."""
+    from sluice.models.formats import describe
+    from sluice.models.source import resolve_model
+
+    try:
+        return {"name": spec, **describe(resolve_model(spec))}
+    except Exception as e:  # noqa: BLE001 -- a missing or bad model is `sluice serve`'s to report; doctor goes on
+        return {"name": spec, "error": f"{type(e).__name__}: {e}"}
+
+
 def doctor_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``serve`` for ``sluice doctor``: the bind address and keys of the ``sluice serve`` this
     environment configures (``SLUICE_HOST``, ``SLUICE_API_KEY``, ..., ``SLUICE_CONFIG``)."""
@@ -116,7 +129,7 @@ def doctor_report(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         s = load_settings(environ=os.environ if environ is None else environ)
     except Exception as e:  # noqa: BLE001 -- a bad setting is `sluice serve`'s to report; doctor goes on
         return {"serve": {"error": f"{type(e).__name__}: {e}"}}
-    return {"serve": {
+    return {"model": model_report(s.engine.model), "serve": {
         "host": s.host,
         "is_loopback": is_loopback_host(s.host),
         "has_api_keys": bool(s.api_key or s.keys_file),

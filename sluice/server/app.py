@@ -310,6 +310,11 @@ def build_app(
                         "owned_by": "sluice",
                         "root": info.path,
                         "max_model_len": info.max_model_len,
+                        "architecture": info.architecture or None,
+                        "num_parameters": info.num_parameters or None,
+                        "num_active_parameters": info.num_active_parameters or None,  # MoE: top-k experts
+                        "weight_bytes": info.weight_bytes or None,  # as served (quantized)
+                        "quantization": info.quantization,
                     },
                     *models_entries(state),
                 ],
