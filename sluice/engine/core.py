@@ -305,7 +305,7 @@ class EngineCore:
         budget = self._token_budget(target)
         express = self._express(budget)
         if self.speculator is not None:  # NOTE(adaptive-k): drafts per running decode (an express step takes none)
-            self.speculator.plan(self.scheduler, self.step_model, budget)
+            self.speculator.plan(self.scheduler, self.step_model)
         sched = self.scheduler.schedule(self._express_budget(budget) if express else budget, express)
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
             express = False

@@ -73,7 +73,7 @@ class Speculator:
         # a request with tokens jump-forward appended computes them as its decode chunk this step
         return req.is_prefill_done and req.num_forced_tokens == 0 and not req.is_waiting_for_grammar
 
-    def plan(self, scheduler: Scheduler, step_model: StepTimeModel, budget: int | None) -> None:
+    def plan(self, scheduler: Scheduler, step_model: StepTimeModel) -> None:
         """Set ``spec_k`` of every running request (0 for those that do not draft this step)."""
         for req in self._planned:
             req.spec_k = 0
@@ -85,19 +85,13 @@ class Speculator:
         if self.spec.k_policy is KPolicy.FIXED:
             k_by_id = max_k
         else:
-            limit = scheduler.max_num_batched_tokens if budget is None else budget
+            # NOTE(adaptive-k): drafts are weighed against the decodes' own step; a prefill chunk beside them
+            # is work due anyway, and counting it would make drafts look cheap in every step that has one
             decodes = sum(1 for r in scheduler.running if r.is_prefill_done)
-            prefill = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running if not r.is_prefill_done)
-            for r in scheduler.waiting:  # the step's prefill tokens, roughly: what waits, up to the budget
-                if prefill >= limit:
-                    break
-                prefill += r.num_tokens
-            prefill = max(0, min(prefill, limit - decodes))
             k_by_id = choose_k(
                 [SpecCandidate(r.request_id, int(r.priority), self._acceptance(r).alpha, max_k[r.request_id]) for r in cands],
                 base=step_model.base, per_token=step_model.per_token, per_seq=step_model.per_seq,
-                num_tokens=decodes + prefill, num_seqs=decodes + (1 if prefill else 0), num_emitted=decodes,
-                draft_cost=self.proposer.draft_cost,
+                num_tokens=decodes, num_seqs=decodes, num_emitted=decodes, draft_cost=self.proposer.draft_cost,
             )  # fmt: skip
         c = self.counters
         for r in cands:
