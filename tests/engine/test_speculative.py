@@ -245,6 +245,22 @@ def test_lora_n_and_streaming_through_llm(tiny_llama: Path, tmp_path: Path) -> N
     assert results[0] == results[1]
 
 
+def test_kv_disk_tier_prefix_hits_keep_the_output(tiny_llama: Path, tmp_path: Path) -> None:
+    """A prefix loaded from the disk tier (target K/V only: the draft model catches up) gives the same
+    tokens; only blocks of accepted tokens were written."""
+    prompts = [p + [60 + i] for i, p in enumerate([_prompts(1, length=40)[0]] * 3)]
+    params = _greedy(3, max_tokens=30)
+    base = _run(_engine(tiny_llama, None), prompts, params)
+    first = _engine(tiny_llama, SELF_Q4, kv_disk_dir=str(tmp_path))
+    assert _run(first, prompts[:1], params[:1]) == {"0": base["0"]}
+    first.close()
+    again = _engine(tiny_llama, SELF_Q4, kv_disk_dir=str(tmp_path))
+    out = _run(again, prompts, params)
+    (tier,) = again.make_stats().kv_tiers
+    again.close()
+    assert out == base and tier.hit_blocks > 0, "the second engine should load the shared prefix from disk"
+
+
 def test_aborts_free_every_block(tiny_llama: Path) -> None:
     prompts = _prompts(5)
     engine = _engine(tiny_llama, SELF_Q4)
