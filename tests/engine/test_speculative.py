@@ -269,6 +269,24 @@ def test_aborts_free_every_block(tiny_llama: Path) -> None:
     assert engine.speculator is not None and not engine.speculator.has_state(), "state kept for finished requests"
 
 
+def test_adaptive_k_drafts_at_one_decode_and_stops_under_load(tiny_llama: Path) -> None:
+    """With a memory-bound step (a CPU's SmolLM2: ~4 ms + 0.75 ms a row, frozen here) one decode drafts and
+    48 running decodes draft nothing but the one exploring row."""
+    adaptive = {**NGRAM, "k_policy": "adaptive"}
+    counts = []
+    for n in (1, 48):
+        engine = _engine(tiny_llama, adaptive, max_num_seqs=64)
+        m = engine.step_model
+        m.base, m.per_token, m.per_seq = 4e-3, 0.5e-3, 0.25e-3
+        m.observe = lambda *a, **k: None  # type: ignore[method-assign]
+        prompt = [5, 6, 7, 8] * 6
+        _run(engine, [prompt] * n, _greedy(n, max_tokens=12))
+        counts.append(engine.make_stats().spec_k_counts)
+    one, many = counts
+    assert sum(k * c for k, c in enumerate(one)) >= sum(one), f"one decode should draft (k counts {one})"
+    assert sum(k * c for k, c in enumerate(many)) < 0.05 * sum(many), f"48 decodes should not draft (k counts {many})"
+
+
 def test_bad_config_is_one_clear_error(tiny_llama: Path) -> None:
     with pytest.raises(ConfigError, match="speculative_config: unknown method"):
         EngineCore(model=str(tiny_llama), kv_cache_memory=1 << 20, speculative_config={"method": "eagle"})
