@@ -420,9 +420,12 @@ class Scheduler:
 
         NOTE(spec-slots): a decode that drafts (``spec_k``, speculation) gets its draft tokens too, as many as
         the budget leaves; their blocks are allocated with the rest, and the ones the target rejects are
-        given back after the step (``update_from_output``).
+        given back after the step (``update_from_output``).  Drafts never preempt: where their blocks do
+        not fit, the decode goes on without them.
         """
         n = min(req.num_tokens - req.num_computed_tokens + (req.spec_k if req.is_prefill_done else 0), step.budget)
+        if req.spec_k and not self.block_manager.can_allocate(req, req.num_computed_tokens + n):
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
         while not self.block_manager.allocate(req, req.num_computed_tokens + n):
             victim = self.running[-1]
             self._preempt(victim, step)
