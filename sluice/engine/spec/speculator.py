@@ -120,6 +120,8 @@ class Speculator:
             d = drafts.get(s.request.request_id, [])[: s.num_spec]
             g = s.request.grammar
             if g is not None and d:  # NOTE(spec-grammar): the drafts up to the first one the grammar refuses
+                if g.num_accepted != s.request.num_output_tokens:  # as the engine's own rows do
+                    g.sync(s.request.output_token_ids)
                 d = d[: g.matcher.validate_tokens(d)]
             unused = s.num_spec - len(d)
             s.num_new_tokens -= unused
