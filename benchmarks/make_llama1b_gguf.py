@@ -5,6 +5,7 @@
     python benchmarks/make_llama1b_gguf.py --shape tiny --out DIR   # a few MB, for tests
     python benchmarks/make_llama1b_gguf.py --shape qwen3moe --types q4_0   # Qwen3-30B-A3B's layer, 8 layers
     python benchmarks/make_llama1b_gguf.py --shape llama1b --layers 4      # any shape with fewer layers
+    python benchmarks/make_llama1b_gguf.py --shape qwen3-0.6b --types q4_0 # Qwen3-0.6B's dense shape
 
 Shape (``llama1b``): hidden 2048, 16 layers, 32 heads / 8 KV heads, head_dim
 64, intermediate 8192, tied embeddings, rope theta 500000, as Llama-3.2-1B;
@@ -65,6 +66,8 @@ class Shape:
 SHAPES = {
     "llama1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192),
     "tiny": Shape(hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, intermediate=256, context=1024),
+    "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, rope_theta=1e6,
+                        context=32768, arch="qwen3"),  # Qwen3-0.6B's shape (dense, q/k norms, tied embeddings)
     "qwen3moe": Shape(hidden=2048, layers=8, heads=32, kv_heads=4, head_dim=128, intermediate=768, rope_theta=1e6,
                       context=32768, arch="qwen3moe", experts=128, experts_used=8),
     "qwen3moe-tiny": Shape(hidden=128, layers=2, heads=2, kv_heads=1, head_dim=64, intermediate=64, rope_theta=1e6,

