@@ -261,12 +261,15 @@ def start_llama(args: argparse.Namespace) -> Server:
     port = args.llama_port or free_port()
     version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     m = re.search(r"version: (.*)", version.stdout + version.stderr)
-    cmd = llama_command(binary, gguf, port, threads, slots)
+    # e.g. SLUICE_LLAMA_ARGS=--no-repack where ggml's AMX path dies of SIGILL (a VM that does not grant AMX tiles)
+    cmd = llama_command(binary, gguf, port, threads, slots) + os.environ.get("SLUICE_LLAMA_ARGS", "").split()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(proc, url, 600, "llama-server")
     details = f"{gguf.name} as is, {threads} threads, {slots} slots (-cb), llama.cpp {m.group(1) if m else '?'}"
+    if os.environ.get("SLUICE_LLAMA_ARGS"):
+        details += f", {os.environ['SLUICE_LLAMA_ARGS']}"
     return Server("llama-server", proc, url, served_model_id(url), time.monotonic() - t0, details, api_is_engine=True)
 
 
