@@ -96,11 +96,15 @@ def capacity(concurrency: int, seconds: float, targets: tuple[float, ...], model
 
     for _ in range(concurrency):
         add()
-    while time.monotonic() < t0 + seconds:
+    # a slow or busy host may finish nothing in a short window: run on until a request finishes
+    # (bounded: ten windows), so the loads below never multiply a capacity of 0
+    while time.monotonic() < t0 + seconds or (done == 0 and time.monotonic() < t0 + 10 * seconds):
         for out in engine.step():
             if out.finished:
                 done += time.monotonic() >= warm
                 add()
+    if done == 0:
+        raise SystemExit(f"capacity: no request finished in {10 * seconds:.1f} s: raise --calibrate-s")
     return done / (time.monotonic() - warm)
 
 

@@ -251,3 +251,11 @@ def test_describe_says_the_architecture_and_sizes_without_loading(arch_dirs: dic
     gg = describe(resolve_model(str(g)))
     assert {k: gg[k] for k in ("architecture", "num_parameters", "num_active_parameters")} == {
         k: hf[k] for k in ("architecture", "num_parameters", "num_active_parameters")}
+
+
+def test_quantizing_at_load_without_calibration_text_is_one_clear_line(arch_dirs: dict[str, Path]) -> None:
+    # these tiny checkpoints have no tokenizer that encodes the bundled English text: quant_fallback=auto
+    # cannot measure an error, and must say so (it used to fail inside torch.cat)
+    with pytest.raises(ModelLoadError, match="--quant-fallback none") as e:
+        load_model(resolve_model(str(arch_dirs["qwen3"])), torch.float32, quantization="int8", quant_fallback="auto")
+    assert "\n" not in e.value.message

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from sluice.errors import ConfigError
 from sluice.kernels.qweight import QuantWeight
 from sluice.models.formats import detect_format
 from sluice.models.quant.calibrate import CALIBRATION_TOKENS, english_text
@@ -276,6 +277,12 @@ def _calibrate(
     from sluice.models.tokenizer import load_tokenizer
 
     tokens = calibration_tokens(load_tokenizer(source), num_tokens)
+    if not tokens:  # a checkpoint without a usable tokenizer: no text to measure the error on
+        raise ConfigError(
+            f"{source.path}: its tokenizer encodes none of the calibration text, so quant_fallback=auto "
+            "cannot measure the quantization error: use --quant-fallback none",
+            setting="quant_fallback",
+        )
     ref = ReferenceModel(raw_cfg, float_sd, len(tokens))
     errors = ref.linear_errors(tokens, dict(quant))
     out: dict[str, Any] = {"errors": errors, "float_layers": [], "kl": None, "kl_all_quantized": None}
