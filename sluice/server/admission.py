@@ -18,50 +18,26 @@ prefilled it).  ``admit`` decides at once, never by timing out:
    last line of defence when the engine has not been measured yet.
 
 NOTE(lone-class): a derived target (NOTE(auto-slo) in ``slo``) binds only
-while another class is active beside the request's: for P1 and P2 a higher
-class, for P0 a lower one (active: queued here, in the engine, or admitted in
-the last ``ACTIVE_WINDOW_S``).  A class alone is queued and served, as vLLM
-and llama-server serve it, and refused only past ``max_queue_wait`` or by
-the hard bounds.  Its default, 90 s, is past the 60 s at which nginx's proxy
-and common load balancers time out a silent connection, because the two
-errors cost differently: a queued request whose client gives up is aborted
-before it takes engine time, while a refusal of a load the server would
-serve comes back at once from a client that does not back off.  At 60 s the
-seed's locust run (200 users) on a host 4x slower than issue 57's, whose
-waits were 60-80 s, got every request past the slots refused and resent
-39,107 times in 120 s, and completed none (``--slo off``: 128).  Derived from an idle engine's TTFT, a lone class's target
-protects nobody: no other class waits for it to step aside.  Held to it, a
-closed loop of 32 P1 streams (128-token prompts) got 108 of 128 requests
-refused on a 2.00 s target while ``--slo off`` served all 128 at a p95 TTFT
-of 2.25 s, and clients that resend at once turned the 429s into nine tenths
-of the API process's work (issue 57; docs/benchmarks.md, "closed loop").  In a
-mix the derived targets order the classes as before: a lower class gives
-way (refused by its target, shed for a higher one, overdue), and P0 keeps the
-target its protection at 3x load is measured on: a P0 admitted past it takes
-the engine from P0s that can still make theirs (NOTE(p0-margin)).  Targets
-given with ``--slo`` bind always: the operator asked for them.  With no
-other class active at all, the request carries ``max_queue_wait`` to the
-engine as its target (``Decision.target``), not the derived one: under a
-2-s target the engine bounds each step's prefill to fit a second
-(NOTE(step-cap) in the engine), and where 128 decode rows take most of that
-second (a loaded 2-core host) a lone class's prompts trickle in a few
-tokens a step: a closed loop of 128 got 101 tok/s and a 42-s TTFT p95
-against ``--slo off``'s 234 and 13 s (one run each, on a host whose load
-moved).  Beside another class it keeps its derived target in the engine,
-whose order among the classes (NOTE(behind)) depends on it.
+while another class is active beside the request's (for P1/P2 a higher class,
+for P0 a lower one; active: queued here, in the engine, or admitted in the
+last ``ACTIVE_WINDOW_S``).  Derived from an idle engine's TTFT, a lone class's
+target protects nobody, and refusing a load the engine can work through turns
+into resent requests from clients that do not back off (issue 57).  A class
+alone is queued and served, and refused only past ``max_queue_wait`` (90 s:
+past the 60 s at which common proxies give up, since a queued request whose
+client leaves is aborted before it costs engine time) or by the hard bounds;
+it then carries ``max_queue_wait`` to the engine as its target, so the engine
+does not cap its steps for a 2-s target (NOTE(step-cap)).  In a mix the derived
+targets order the classes as before, and P0 keeps the target its protection
+at 3x load is measured on.  Targets given with ``--slo`` bind always.  The
+runs behind this are in docs/benchmarks.md, "Closed loop on default flags".
 
 NOTE(measured-ceiling): for a P1 or P2 request whose derived target does not
 bind, the longest wait is judged on the class's queue as measured
-(NOTE(class-drain): the oldest queued request's age and the queue over its
-drain rate), not on the model.  The model charges a wave of arrivals the
-prefill of the whole backlog at the fitted step cost; in the ramp of the seed's
-locust run (200 users, 20 a second, 128 slots) on a quiet 2-core host it
-predicted 100-430 s where ``--slo off`` served the same load at a 9.6-s median
-TTFT, refused 11,651 requests with ``wait_too_long`` and completed 256 to
-``--slo off``'s 381 in 90 s.  A refusal of serveable work comes back at once
-from a client that does not back off; a wait past the ceiling shows in the
-queue within the ceiling's time.  P0 (whose queue drains in express steps)
-and explicit targets keep the model.
+(NOTE(class-drain): the oldest queued request's age, and the queue over its
+drain rate), not on the model, which charges a wave of arrivals the prefill
+of the whole backlog and overpredicts a locust ramp by up to 10x.  P0 (whose
+queue drains in express steps) and explicit targets keep the model.
 
 NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits; shedding newest-first
 keeps the oldest P2 requests' queueing investment.  Shedding is all or nothing: if shedding every
