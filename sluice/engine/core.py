@@ -255,6 +255,7 @@ class EngineCore:
             if entry is None and now - g.started <= self.config.structured_compile_timeout:
                 continue
             del self._compiling[rid]
+            req.timings.grammar_ready = now  # the API process's "grammar" span: arrival -> here
             if entry is not None and entry.matcher is not None:
                 g.start(entry.matcher, req.output_token_ids)
                 self._jump_start(req)

@@ -169,6 +169,7 @@ class EngineAbort(msgspec.Struct, kw_only=True):
 
 class RequestTimings(msgspec.Struct, kw_only=True):
     arrival: float  # monotonic seconds
+    grammar_ready: float | None = None  # a constrained request: its grammar compiled (or came from the cache)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None

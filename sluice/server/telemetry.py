@@ -377,6 +377,7 @@ def _kv_tier_metrics(s: EngineStats) -> Iterator[Metric]:
 def record_stages(tracing: Tracing, parent: Span, t: RequestTimings | None, attributes: dict[str, str | int]) -> None:
     """The engine stages of one finished request as child spans of ``parent``::
 
+        grammar  arrival -> its constraint compiled or found in the cache (constrained requests)
         queue    arrival -> first scheduled
         prefill  first scheduled -> first token
         decode   first token -> finished
@@ -384,6 +385,7 @@ def record_stages(tracing: Tracing, parent: Span, t: RequestTimings | None, attr
     if t is None:
         return
     stages = (
+        ("grammar", t.arrival, t.grammar_ready),
         ("queue", t.arrival, t.first_scheduled),
         ("prefill", t.first_scheduled, t.first_token),
         ("decode", t.first_token, t.finished),

@@ -225,6 +225,10 @@ def test_a_slow_compile_does_not_block_other_requests(tiny_llama: Path) -> None:
     release["at"] = time.monotonic()
     outs = _drain(engine)
     assert outs["slow"][-1].finish_reason == "stop" and outs["slow"][-1].error is None  # four digits: complete
+    t = outs["slow"][-1].timings
+    assert t is not None and t.grammar_ready is not None and t.first_scheduled is not None
+    assert t.arrival < release["at"] <= t.grammar_ready <= t.first_scheduled, "the grammar span ends when it compiled"
+    assert done["free"].timings is not None and done["free"].timings.grammar_ready is None
     engine.close()
 
 

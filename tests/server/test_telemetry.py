@@ -74,3 +74,16 @@ def test_record_stages_makes_queue_prefill_decode_spans_in_order() -> None:
     assert list(spans) == ["queue", "prefill", "decode"]
     assert (spans["decode"].end_time - spans["decode"].start_time) == 2_000_000_000, "2 s of decode"
     assert all(s.parent.span_id == parent.get_span_context().span_id for s in spans.values())
+
+
+def test_record_stages_adds_a_grammar_span_for_a_constrained_request() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider)
+    parent = tracing.tracer.start_span("request")
+    t = RequestTimings(arrival=1.0, grammar_ready=1.25, first_scheduled=1.5, first_token=2.0, finished=4.0)
+    record_stages(tracing, parent, t, {})
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert list(spans) == ["grammar", "queue", "prefill", "decode"]
+    assert spans["grammar"].end_time - spans["grammar"].start_time == 250_000_000, "arrival -> compiled: 0.25 s"
