@@ -27,6 +27,7 @@ paged_attention.cpp), from the uncopied q/k/v slices of the QKV projection.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from sluice.engine.kv_quant import KVCache
 from sluice.kernels import ext
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "CpuPagedAttention", "make_attention_backend", "available_backends"]
+__all__ = ["AttentionMetadata", "flat_batch_metadata", "AttentionBackend", "TorchAttention", "CpuPagedAttention", "make_attention_backend", "available_backends"]
 
 log = logging.getLogger("sluice.engine")
 
@@ -58,6 +59,37 @@ class AttentionMetadata:
 
     def q_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+def flat_batch_metadata(
+    rows: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device
+) -> tuple[list[int], AttentionMetadata]:
+    """The flat batch's positions and attention metadata: each row ``(start, num_new, block_table)`` is a
+    sequence computing positions ``start .. start + num_new - 1``, its K/V in the table's blocks (the
+    whole table is attended: pass only the blocks the sequence holds)."""
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    for start, n, blocks in rows:
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+    bt = torch.zeros((len(rows), max(len(b) for _, _, b in rows)), dtype=torch.int32)
+    for i, (_, _, blocks) in enumerate(rows):
+        bt[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=bt.to(device),
+        num_blocks_per_seq=[len(b) for _, _, b in rows],
+        query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+    )
+    return positions, meta
 
 
 class AttentionBackend:

@@ -21,7 +21,12 @@ from typing import Any
 import psutil
 import torch
 
-from sluice.engine.attention import AttentionMetadata, CpuPagedAttention, make_attention_backend
+from sluice.engine.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    flat_batch_metadata,
+    make_attention_backend,
+)
 from sluice.engine.config import BLOCK_SIZE, EngineConfig
 from sluice.engine.kv_quant import KVCache, resolve_kv_format
 from sluice.engine.lora_manager import build_lora_batch
@@ -125,12 +130,9 @@ class ModelRunner:
 
     def build_metadata(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows: list[tuple[int, int, list[int]]] = []
         sample_idx: list[int] = []
+        end = 0  # flat index past the row
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
@@ -139,31 +141,13 @@ class ModelRunner:
                 input_ids.extend(s.spec_token_ids)
             else:
                 input_ids.extend(req.token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            blocks = req.block_ids
-            slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(blocks)
+            rows.append((start, n, req.block_ids))
+            end += n
             if s.samples:  # a drafting decode samples every position from its pending token on
-                sample_idx.extend(range(qsl[-1] - 1 - s.num_spec, qsl[-1]))
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=bt.to(dev),
-            num_blocks_per_seq=[len(t) for t in tables],
-            query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+                sample_idx.extend(range(end - 1 - s.num_spec, end))
+        positions, meta = flat_batch_metadata(rows, BLOCK_SIZE, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids_t, pos_t, meta, sample_idx
 
     @torch.inference_mode()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sluice.engine.attention import AttentionMetadata, make_attention_backend
+from sluice.engine.attention import flat_batch_metadata, make_attention_backend
 from sluice.engine.config import BLOCK_SIZE, EngineConfig
 from sluice.engine.kv_quant import KVCache, resolve_kv_format
 from sluice.engine.step_model import StepTimeModel
@@ -93,31 +93,13 @@ class DraftModel:
         """One draft step: for each row (token_ids, start, num_new, block_ids) compute tokens
         ``token_ids[start : start + num_new]``; returns the logits of each row's last one: (rows, vocab)."""
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        for tokens, start, n, blocks in rows:
+        for tokens, start, n, _ in rows:
             ids.extend(tokens[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-        num_blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
-        bt = torch.zeros((len(rows), max(num_blocks)), dtype=torch.int32)
-        for i, (_, _, _, blocks) in enumerate(rows):
-            bt[i, : num_blocks[i]] = torch.tensor(list(blocks[: num_blocks[i]]), dtype=torch.int32)
+        # each row attends only the blocks its context fills (its table may hold the target's draft blocks too)
+        positions, meta = flat_batch_metadata(
+            [(start, n, blocks[: -(-(start + n) // BLOCK_SIZE)]) for _, start, n, blocks in rows], BLOCK_SIZE, self.device)
+        qsl = meta.query_start_loc
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=bt.to(dev),
-            num_blocks_per_seq=num_blocks,
-            query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        )
         t0 = time.monotonic()
         ftz = self.device.type == "cpu" and torch.set_flush_denormal(True)  # NOTE(denormals) in model_runner
         try:
