@@ -9,10 +9,6 @@ schema's 400 comes back unchanged.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Literal
 
@@ -23,6 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.gateway.conftest import gateway_config, serve_gateway
+from tests.server.conftest import serve_smollm2_process
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +37,8 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    env = {**os.environ, "SLUICE_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "--model", "smollm2", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"ready in .* at (http://\S+)", line)
-            if m:
-                break
-        else:
-            raise RuntimeError("sluice serve did not start:\n" + "".join(lines))
-        yield m.group(1)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with serve_smollm2_process() as url:
+        yield url
 
 
 def _config(url: str):  # type: ignore[no-untyped-def]

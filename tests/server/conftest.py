@@ -7,8 +7,12 @@ The fake engine (``sluice.server.testing``) backs the fast tests; the real
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +69,23 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(15)
         self.sock.close()
+
+
+@contextlib.contextmanager
+def serve_smollm2_process(timeout: float = 300.0) -> Iterator[str]:
+    """``sluice serve`` on the embedded SmolLM2 in a process of its own (a free port); yields its URL and
+    stops it after."""
+    from benchmarks.serving_procs import wait_line
+
+    env = {**os.environ, "SLUICE_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "--model", "smollm2", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    try:
+        m, _ = wait_line(proc, r"ready in .* at (http://\S+)", timeout)
+        yield m.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def start_fake_server(step_delay: float = 0.002, tracer_provider: TracerProvider | None = None,

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -26,7 +23,7 @@ from pydantic import BaseModel
 from sluice.server.app import build_app
 from sluice.server.config import load_settings
 from sluice.server.testing import fake_codec_factory
-from tests.server.conftest import ServerThread
+from tests.server.conftest import ServerThread, serve_smollm2_process
 from tests.server.scripted_fake import ScriptedEngineCore
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
@@ -170,23 +167,8 @@ def test_a_bad_schema_raises_bad_request_in_the_openai_client(client: openai.Ope
 
 @pytest.fixture(scope="module")
 def smollm2_url() -> Iterator[str]:
-    env = {**os.environ, "SLUICE_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "--model", "smollm2", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"ready in .* at (http://\S+)", line)
-            if m:
-                break
-        else:
-            raise RuntimeError("sluice serve did not start:\n" + "".join(lines))
-        yield m.group(1)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with serve_smollm2_process() as url:
+        yield url
 
 
 class City(BaseModel):
