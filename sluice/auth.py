@@ -106,21 +106,31 @@ class KeyStore:
     def has_admin(self) -> bool:
         return bool(self._admin_only) or any(k.is_admin for k in self._by_digest.values())
 
-    def authenticate_admin(self, authorization: str | None) -> KeyInfo:
-        """An admin key: 401 when missing or unknown, 403 for a known key that is not an admin's."""
+    def _bearer_digest(self, authorization: str | None, missing: str) -> bytes:
+        """The digest of an ``Authorization: Bearer <key>`` header's key; 401 (``missing``) without one."""
         if not authorization:
-            raise AuthenticationError("missing admin key: send 'Authorization: Bearer <admin key>'")
+            raise AuthenticationError(missing)
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthenticationError("malformed Authorization header: expected 'Bearer <key>'")
-        digest = self._digest(token.strip())
+        return self._digest(token.strip())
+
+    @staticmethod
+    def _lookup(digest: bytes, *tables: dict[bytes, KeyInfo]) -> KeyInfo:
+        """The first key with ``digest``, compared in constant time with every known key; 401 for none."""
         found: KeyInfo | None = None
-        for table in (self._admin_only, self._by_digest):
+        for table in tables:
             for known, info in table.items():
                 if hmac.compare_digest(known, digest):
                     found = found or info
         if found is None:
             raise AuthenticationError("invalid API key")
+        return found
+
+    def authenticate_admin(self, authorization: str | None) -> KeyInfo:
+        """An admin key: 401 when missing or unknown, 403 for a known key that is not an admin's."""
+        digest = self._bearer_digest(authorization, "missing admin key: send 'Authorization: Bearer <admin key>'")
+        found = self._lookup(digest, self._admin_only, self._by_digest)
         if not found.is_admin:
             raise PermissionDeniedError("this endpoint needs an admin key", code="admin_key_required")
         return found
@@ -133,16 +143,8 @@ class KeyStore:
         """
         if not self.enabled:
             return ANONYMOUS
-        if not authorization:
-            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise AuthenticationError("malformed Authorization header: expected 'Bearer <key>'")
-        digest = self._digest(token.strip())
-        for known, info in self._by_digest.items():
-            if hmac.compare_digest(known, digest):
-                return info
-        raise AuthenticationError("invalid API key")
+        digest = self._bearer_digest(authorization, "missing API key: send 'Authorization: Bearer <key>'")
+        return self._lookup(digest, self._by_digest)
 
     @classmethod
     def build(cls, api_keys: Iterable[str] = (), keys_file: str | Path | None = None,
