@@ -118,7 +118,7 @@ def test_an_engine_takes_the_idle_lanes_cores_and_gives_them_back(monkeypatch: p
     second.update(False)  # idle: its mark is set, nothing to change
     now[0] += LEND_AFTER_S / 2
     first.update(True)  # a gap between the second's steps: not lent yet
-    now[0] += LEND_AFTER_S / 2
+    now[0] += LEND_AFTER_S / 2 + 1e-9  # (past the boundary: two halves added to a large clock may round below it)
     first.update(True)  # idle long enough: all of them
     second.update(False)  # still idle: its mark stays where it was
     assert calls == [2, 4, 2, 2, 4]
