@@ -75,8 +75,8 @@ def steal_seconds(stat: str | None = None) -> float | None:
     """CPU time the hypervisor gave to other guests since boot, summed over this machine's CPUs (the
     ``steal`` column of /proc/stat's first line), in seconds; None where the kernel does not count it.
 
-    NOTE(steal): on these shared 2-core VMs the same arrivals against the same code gave P0 16 misses
-    in 414 with 4.5% of the CPU time stolen and 3 with 0.4-1.2% (engine alone, 0.5x load): a benchmark
+    NOTE(steal): on shared VMs the same arrivals against the same code miss P0 far more often in the
+    runs where the hypervisor took a few % of the CPU (docs/benchmarks.md, "Overload"): a benchmark
     row records the share stolen while it ran, to tell the host's noise from the code's."""
     try:
         fields = (stat if stat is not None else Path("/proc/stat").read_text()).split("\n", 1)[0].split()

@@ -260,10 +260,9 @@ LONE_REQUESTS = 16  # NOTE(lone-median): sequential lone requests whose median T
 async def lone_ttft(server: Server, max_tokens: int) -> float:
     """Median TTFT of ``LONE_REQUESTS`` sequential P0 requests, after one warm-up request.
 
-    NOTE(lone-median): a lone TTFT on these 2 cores is bimodal (sluice: ~11 ms, and 15-21 ms
-    for about a third of the requests), so the median of 6 moved 11-18 ms from one server
-    start to the next, and every SLA target with it; a median of 16 moved less (11.5 and
-    14.1 ms in two starts, where the median of 6 gave 14.7 and 13.0 ms).
+    NOTE(lone-median): a lone TTFT on a small host is bimodal (about a third of the requests
+    take half as long again), so a median of a few requests moved from one server start to
+    the next, and every SLA target with it; a median of 16 moves less.
     """
     async with aiohttp.ClientSession() as s:
         t0 = time.perf_counter()
@@ -282,12 +281,10 @@ async def capacity(server: Server, concurrency: int, seconds: float, max_tokens:
     bound its steps (NOTE(row-cap) in sluice.engine.core), its closed-loop rate drops,
     and every load multiple would be a multiple of that smaller rate.
 
-    NOTE(capacity-first): so it runs before ``lone_ttft``: the lone P0 requests' target kept
-    bounding sluice's batches for 10 s after them (the scheduler's ``TARGET_MEMORY_S`` then; 2 s
-    since NOTE(target-memory)), over the loop's first half.  Measured on a 2-core Zen 4 EPYC, one
-    server, 20-s loops: 39.3 req/s (106 steps) with no P0 before, 34.3 req/s (327 steps) right
-    after the lone requests; fresh servers measured lone-first gave 20.3-25.8 req/s, where the 3x
-    step then served 34-38 req/s.
+    NOTE(capacity-first): so it runs before ``lone_ttft``: the lone P0 requests' target keeps
+    bounding sluice's batches for a while after them (NOTE(target-memory)), and a capacity
+    measured then is that of smaller batches: lone-first, the 3x step served more than the
+    measured capacity.
     """
     done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:

@@ -26,9 +26,9 @@ NOTE(host-drift): before each run the lone TTFT is measured again on the idle
 server (the median of ``overload.lone_ttft``) and reported beside the run (the first
 run's is the start's own measurement, when the start measured it).  The
 targets stay those of the start; the probe shows how fast the machine was at
-that moment.  On the shared 2-core test machines one setting's 30-s runs moved
-between 45% and 96% P0 attainment within twenty minutes, and a run is only
-comparable to another measured at a similar lone TTFT.
+that moment.  On shared VMs one setting's runs moved by tens of points of P0
+attainment within twenty minutes, and a run is only comparable to another
+measured at a similar lone TTFT.
 
 NOTE(neighbour): the host's slow stretches come and go on their own, so an A/B
 of a change meant for them may never see one.  ``--neighbour DUTY`` runs, during

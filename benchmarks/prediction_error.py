@@ -15,13 +15,9 @@ NOTE(stationary-waves): only the middle waves are measured.  The admission stret
 class's prediction by the higher classes' arrival rate (NOTE(higher-arrivals), and under
 ``wfq`` NOTE(gps-arrivals)): a steady arrival process.  The waves before the measured ones
 give it that rate, and the waves keep coming until every measured request has started (at
-most ``MAX_WAVES``), as the stretch assumes.  Four back-to-back waves and then nothing (an
-earlier design) measured two transients instead: the first wave's P2s were overtaken by
-P1s of later waves no rate had foreseen yet (predicted 0.2 s, served 0.7 s), the last
-wave's by none of the arrivals the measured rate promised (1.5 s, 0.85 s).  Two waves
-after the measured ones (the design after it) still ended the arrivals while the last
-measured P2s waited: served in ~2 s once the waves stopped, where a steady 30-step
-arrival process (the same waves, on and on) gives them 1.5-6 s.
+most ``MAX_WAVES``), as the stretch assumes.  Waves that stop before the measured requests
+have started measure transients instead: the first waves' P2s overtaken by arrivals no rate
+foresaw yet, the last ones served fast once the arrivals end.
 
 The bound the tests state: for at least 75% of the requests, |measured - predicted| <=
 0.5 x measured + 3 step times (the prediction is made at step granularity).  Writes

@@ -145,11 +145,10 @@ def spread_p0(candidates: Sequence[Replica]) -> tuple[list[Replica], str | None]
     there, and the ``decisions`` reason when that left some out.
 
     NOTE(p0-spread): a replica serves the P0 prompts that reach it together, so a P0 sent
-    where another one still waits for its first token waits behind that one's prefill; with
-    two one-thread replicas at 3x load, 29% of the P0s were sent where another P0 waited
-    while the other replica had none, and those missed their target 3-43% of the time
-    against 0.2-0.3% for a P0 sent to a replica with none (docs/benchmarks.md, "P0s spread over
-    the replicas").  The count is the gateway's own (sent, no status or first byte yet; a
+    where another one still waits for its first token waits behind that one's prefill: at 3x
+    load such P0s missed their target far more often than those sent to a replica with none
+    (the measurement: "P0s spread over the replicas" in `git show c2f0033:docs/benchmarks.md`).
+    The count is the gateway's own (sent, no status or first byte yet; a
     request that does not stream has no first byte before its whole answer, so it counts
     until then, decode included: erring towards spreading); the
     usual policy then chooses among the replicas kept, so prefix affinity and load still

@@ -94,11 +94,10 @@ def _wanted_lines(text: str) -> str:
     """The page's lines of the series read here (samples, and their ``# TYPE``/``# HELP``).
 
     NOTE(scrape-filter): the gateway parses each replica's page on its event loop,
-    every ``scrape_interval``.  A sluice page is ~560 lines, nearly all histogram
-    buckets the gateway never reads, and prometheus_client's parser took 16 ms
-    over it on a 2-core EPYC: two replicas every 0.5 s stalled the loop for
-    ~64 ms a second, and a request arriving in a stall waited it out (the
-    gateway's 429s: p50 10 ms, p99 ~100 ms at 3x load).  Only the few gauges
+    every ``scrape_interval``.  A sluice page is hundreds of lines, nearly all
+    histogram buckets the gateway never reads; parsing it whole stalled the loop
+    for tens of milliseconds a scrape, and a request arriving in a stall waited
+    it out (it was the tail of the gateway's 429 latency).  Only the few gauges
     read here go to the parser; any other line is checked to end in a number,
     so a page that is not Prometheus text still raises ``ValueError``.
     """

@@ -1,13 +1,13 @@
 """The Python heap of a long-running sluice process: freeze what start-up built.
 
 NOTE(gc-freeze): CPython's full collection (generation 2) walks every object
-the collector tracks.  After start-up the API process holds about 240,000 of
-them (the tokenizer, FastAPI and pydantic models, transformers' modules), and
-one full collection takes ~180 ms on a 2-core AMD EPYC; under load (a hundred
-requests a second, each allocating) one comes every few seconds, and for its
-duration the event loop answers nothing: no token is streamed, no 429 is
-sent, ``/health`` waits.  At 3x overload that was the tail of P0's time to
-first token (p99 0.45 s against a p50 of 0.05 s) and of the 429s (p99 0.47 s).
+the collector tracks.  After start-up the API process holds hundreds of
+thousands of them (the tokenizer, FastAPI and pydantic models, transformers'
+modules), and one full collection takes a large fraction of a second on a small
+host; under load one comes every few seconds, and for its duration the event
+loop answers nothing: no token is streamed, no 429 is sent, ``/health`` waits.
+Under overload that was the tail of P0's time to first token and of the 429s
+(docs/design/overload.md, "GC frozen after start-up").
 ``gc.freeze()`` once start-up is done moves those objects to the permanent
 generation, which collections no longer walk; what is allocated later is
 collected as before (objects frozen and later dropped are still freed by

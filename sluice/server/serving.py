@@ -321,9 +321,8 @@ class OpenAIServing:
         NOTE(stalled): the queue sweep ends when a request's first output comes.  A
         started request of a class below P0 can still be preempted by a higher class
         (the engine's NOTE(take-from-lower)) and, while the higher classes fill the
-        engine, not be resumed at all: at 5x load on a 2-core EPYC one P2 hung until
-        the client's 60-s timeout, long past the queue's 10-s sweep, so after its
-        first output (the next two 5x steps shed 5 and 1 this way).  So a started
+        engine, not be resumed at all: under 5x overload a P2 hung until the client's
+        timeout, long past the queue's sweep.  So a started
         request below P0 with no output for ``OVERDUE_FACTOR`` times its class's
         target is shed like an overdue one (code ``expired``, a jittered
         ``Retry-After``; a stream gets an error event, then ``[DONE]``), and its engine
