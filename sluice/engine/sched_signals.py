@@ -1,8 +1,9 @@
 """What the scheduler remembers between steps: TTFT targets seen, the step cycle time, and each
-class's recent peak of running requests.
+class's recent peak of running requests, with the slot reservation it sets.
 
-Each is a small piece of state with one rule, kept out of ``scheduler.py`` so that the
-scheduler reads as the step it plans.  None of them touches requests' progress or blocks.
+Each is a small piece of state or a rule, kept out of ``scheduler.py`` so that the scheduler reads as
+the step it plans, and so that its model of itself (``ttft_model``) shares the rule.  None of them
+touches requests' progress or blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Iterable
 from sluice.engine.request import Request
 from sluice.types import Priority
 
-__all__ = ["CycleClock", "RunningPeaks", "TargetMemory", "CYCLE_DECAY", "IDLE_GAP_S", "PEAK_DECAY_S", "TARGET_MEMORY_S"]
+__all__ = [
+    "CycleClock", "RunningPeaks", "TargetMemory", "CYCLE_DECAY", "IDLE_GAP_S", "PEAK_DECAY_S", "TARGET_MEMORY_S",
+    "reserved_seq_limit",
+]
 
 CYCLE_DECAY = 0.8  # per schedule(): memory of the step cycle time (NOTE(behind))
 IDLE_GAP_S = 0.5  # a gap between schedule() calls longer than this is idle time, not a step cycle
@@ -27,12 +31,10 @@ class TargetMemory:
 
     NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(step-cap),
     NOTE(row-cap)) before the next request with it arrives, so a target is remembered for a
-    while after its request came.  With 10 s, one P0 every few seconds kept the lower classes'
-    batches bounded all the time; 2 s keeps the bound on through P0 traffic of a few a second
-    and lifts it where P0 is rare (a P0 arriving into an unbounded step starts mid-step,
-    NOTE(mid-step-express)).  The scheduler adds the targets of requests still waiting or in
-    their prefill, so those stay in force however long ago they came.  The A/Bs (unsettled at
-    1 P0/s): docs/benchmarks.md.
+    while after its request came: long enough to hold through P0 traffic of a few a second,
+    short enough to lift where P0 is rare (a P0 arriving into an unbounded step starts
+    mid-step, NOTE(mid-step-express)).  The targets of requests still waiting or in their
+    prefill stay in force however long ago they came.  The A/Bs: ``git show c2f0033:docs/benchmarks.md``.
     """
 
     def __init__(self) -> None:
@@ -84,3 +86,9 @@ class RunningPeaks:
         for r in holders:
             counts[r.priority] += 1
         self.peaks = [max(float(n), p * decay) for n, p in zip(counts, self.peaks, strict=True)]
+
+
+def reserved_seq_limit(max_num_seqs: int, p0_peak: float) -> int:
+    """The slots a class below P0 may fill: all but P0's recent peak of running requests plus one
+    (NOTE(trunk-reservation) in ``Scheduler.seq_limit_for``); all of them with no P0 of late."""
+    return max_num_seqs if p0_peak <= 0.0 else max(1, max_num_seqs - math.ceil(p0_peak) - 1)

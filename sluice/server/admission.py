@@ -1,162 +1,64 @@
-"""Admission control: predicted time to first token against the class's target, lowest class shed first (pure).
+"""Admission control: a request's predicted time to first token against its class's bound, lowest class
+shed first (pure, clock-injected).  One ``AdmissionController`` per engine core; the API process holds
+them in one ``LanedAdmission`` (``sluice.server.lanes``), one engine core or several.
 
-A request is *queued* from admission until its first output arrives (the engine has scheduled and
-prefilled it).  ``admit`` decides at once, never by timing out:
+A request is *queued* from admission until its first output arrives.  ``admit`` decides at once, never by
+timing out: the prediction is the scheduler's model of itself (``sluice.engine.ttft_model``) on the
+engine's last stats plus the requests sent since, stretched by what the admission measures (below).
+Over the request's bound, the newest queued requests of strictly lower classes are shed if that brings
+it within, else it gets 429 with a jittered ``Retry-After``.  Then the hard bounds in requests and tokens
+(``max_queued_requests``, ``max_queued_tokens``), shed the same way.  The measurements behind each rule:
+docs/design/overload.md and docs/benchmarks.md.
 
-1. Predicted wait (``sluice.server.slo``): from the engine's last stats, the
-   requests sent since, and the measured step time, predict the new request's
-   TTFT.  Over its class's target, the newest queued requests of strictly
-   lower classes (for P1 only those queued a moment ago, NOTE(young-victims))
-   are shed (lowest class first) if that brings it within target; otherwise the
-   new request gets 429 with a ``Retry-After`` of the predicted excess, jittered.
-   A class whose target is derived (``--slo`` not given for it) is held to it
-   only while another class shares the engine (NOTE(lone-class)); every
-   request is refused past the longest wait a client waits (``max_queue_wait``,
-   code ``wait_too_long``).
-2. A hard bound in requests (``max_queued_requests``) and tokens
-   (``max_queued_tokens``: prompt + max_tokens), shed the same way: the
-   last line of defence when the engine has not been measured yet.
+NOTE(lone-class): a derived target (NOTE(auto-slo) in ``slo``) binds only while another class is active
+beside the request's (for P1/P2 a higher one, for P0 a lower one; active: queued, in the engine, or
+admitted in the last ``ACTIVE_WINDOW_S``).  A lone class's derived target protects nobody, and refusing a
+load the engine can serve comes back as resent requests (issue 57).  Alone, a class is refused only past
+``max_queue_wait`` (code ``wait_too_long``) or the hard bounds, and carries that bound to the engine as
+its target so the engine does not cap its steps for it (NOTE(step-cap)).  ``--slo`` targets always bind.
 
-NOTE(lone-class): a derived target (NOTE(auto-slo) in ``slo``) binds only
-while another class is active beside the request's (for P1/P2 a higher class,
-for P0 a lower one; active: queued here, in the engine, or admitted in the
-last ``ACTIVE_WINDOW_S``).  Derived from an idle engine's TTFT, a lone class's
-target protects nobody, and refusing a load the engine can work through turns
-into resent requests from clients that do not back off (issue 57).  A class
-alone is queued and served, and refused only past ``max_queue_wait`` (90 s:
-past the 60 s at which common proxies give up, since a queued request whose
-client leaves is aborted before it costs engine time) or by the hard bounds;
-it then carries ``max_queue_wait`` to the engine as its target, so the engine
-does not cap its steps for a 2-s target (NOTE(step-cap)).  In a mix the derived
-targets order the classes as before, and P0 keeps the target its protection
-at 3x load is measured on.  Targets given with ``--slo`` bind always.  The
-runs behind this are in docs/benchmarks.md, "Closed loop on default flags".
+NOTE(measured-ceiling): for a P1/P2 whose derived target does not bind, the longest wait is judged on the
+class's queue as measured (NOTE(class-drain)), not on the model, which charges a wave of arrivals the
+prefill of the whole backlog.  P0 (drained by express steps) and explicit targets keep the model.
 
-NOTE(measured-ceiling): for a P1 or P2 request whose derived target does not
-bind, the longest wait is judged on the class's queue as measured
-(NOTE(class-drain): the oldest queued request's age, and the queue over its
-drain rate), not on the model, which charges a wave of arrivals the prefill
-of the whole backlog and overpredicts a locust ramp by up to 10x.  P0 (whose
-queue drains in express steps) and explicit targets keep the model.
+NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits; newest first keeps the
+oldest requests' queueing investment.  All or nothing: if shedding every candidate would not make room,
+nobody is shed.  NOTE(young-victims): for a P1 only lower-class requests queued under ``SHED_MAX_AGE_S``
+are candidates (a 429 after seconds of queueing wastes the wait); a P0 and the hard bounds shed any.
 
-NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits; shedding newest-first
-keeps the oldest P2 requests' queueing investment.  Shedding is all or nothing: if shedding every
-lower-class request would not make room, nobody is shed.
+NOTE(higher-arrivals): while a request waits, higher classes keep arriving and go first, so its
+prediction is divided by ``1 - rho``, rho being the higher classes' admitted rate over the engine's
+capacity (the wait of a preemptive priority queue).  NOTE(work-rate): the capacity is the tokens the
+engine's steps ran per second of busy time, over a mean request's tokens (completions per second
+overstate it as a batch drains).  The rate is the larger of a 5-s and a 1-s average (a surge counts
+within a second, a fall is remembered for five).  NOTE(express-share): with express steps, P0's share
+is the engine time of its own steps and decode rows (``express_request_seconds``), not its share of the
+token rate, which overstates it where steps are small.  NOTE(surge-onset): a request admitted on an
+idle engine starts a busy period; its 1-s averages restart and count as a rate once ``ONSET_MIN_S`` old
+(before that, a burst is read as it is, not as a rate).
 
-NOTE(young-victims): to make room for a P1 request by its prediction, only
-lower-class requests queued less than ``SHED_MAX_AGE_S`` are shed: one that has
-waited longer keeps its place (it is served, perhaps late), because a 429 after
-seconds of queueing wastes the wait and comes too late for a retry elsewhere
-(a shed request is answered within ~50 ms).  If the young ones do not make
-room, the P1 request is refused at once.  A P0 request may still shed any
-queued lower-class request (NOTE(shed-lowest-first)), as may the hard bound.
+NOTE(refused-above): while a higher class is refused for its predicted wait (within ``REFUSED_ABOVE_S``),
+a lower class is refused too: the higher classes alone fill the engine, and a lower request admitted in
+a gap would be pushed back until it is overdue.
 
-NOTE(higher-arrivals): the prediction counts what is queued now, but while a
-request of class c waits, requests of higher classes keep arriving and are
-served first: a lower-class request admitted on today's queue is later shed
-from the queue (a slow 429) or misses its target.  So the prediction of class
-c is divided by ``1 - rho``, where ``rho`` is the admitted arrival rate of the
-classes above c over the engine's capacity: the wait of a preemptive priority
-queue.  The capacity is the work the engine does per second of engine
-work (time with requests in the engine, between its stats messages; all
-exponentially weighted over ``RATE_WINDOW_S``), in requests, not the completion rate itself: on a
-lightly loaded engine that only echoes the arrivals, and a P1 request after a few P0 ones would see
-``rho`` = 1 on an idle engine.  NOTE(work-rate): the work is the tokens its
-steps ran (prompt and generated; the nested express steps' too, where P0
-prefills run mid-step), over a mean request's (its prompt plus its output); completions per busy second were the measure before, but a batch
-that drains finishes requests whose work was done earlier: after a closed loop
-of 128 ended, they counted 29 requests/s on an engine that did 13, and for the
-first seconds of the surge that followed ``rho`` was half the truth.  The arrival rate is the larger of its 5-s
-average and a 1-s one (``FAST_RATE_WINDOW_S``): a surge of higher-class
-traffic counts within a second, not after five (a step from all-P2 traffic to
-2x load admitted P2 requests for 2 s, and they all expired), while a fall is
-remembered for five.  With ``rho`` near 1 the higher classes take
-the whole engine and the request is refused at once.  P0 has nothing above it.
+NOTE(overdue): a queued P1/P2 without a first token after ``OVERDUE_FACTOR`` times the bound it was
+admitted on has missed it for good: it is shed (429 ``expired``) rather than take engine time from
+requests that can still make theirs, or hang until the client gives up.  P0 is never shed for its age.
+A started request preempted and left without output: NOTE(stalled) in ``serving``.
 
-NOTE(express-share): with express steps (the engine's NOTE(express-step)) a
-P0's prefill runs in a step of its own, outside the normal steps' token budget,
-and P0's recent peak of slots is kept free for it (NOTE(trunk-reservation) in
-the scheduler): P0 takes from a lower class's wait the engine time of those
-steps and of its decode rows in the normal steps, ``step_time(0, 1) + b x
-prompt`` and ``(b + c)`` a generated token after the first (the measured step
-model), times its arrival rate.  Its share of the work rate, counted before,
-overstates that where the steps are small: a step of a few rows is mostly its
-fixed cost, so the engine does few tokens a second, and a P0 that only adds
-rows to steps that run anyway reads as a large share.  With 4 slots, a
-64-token budget and SmolLM2 (4.5 ms + 0.47 ms a token) most P1 requests, which
-the queue alone predicted within 1-25%, were predicted 1.3-2x by a ``rho`` of
-0.26-0.50 from P0 alone; by the express share it is 0.08-0.20
-(docs/benchmarks.md, "TTFT prediction error").  P1 and P2 above a class still
-count by their work share: they share the normal steps' budget and slots.
+NOTE(class-drain): what the model cannot see is how the engine's share actually falls to a class.  A
+P1/P2 prediction is at least its class's oldest queued request's age (the sojourn time, as in CoDel)
+and ``(queued + 1) / drain rate`` (first outputs per second of backlog, ``admission_rates``).  P0 keeps
+the model: its express steps start queued P0s together.
 
-NOTE(surge-onset): a 1-s average still takes a second to see a surge: a
-quarter second into a step from an idle engine to 5x load it showed a fifth of
-the arrivals, and P1/P2 requests admitted then on a ``rho`` of 0.2-0.5 all
-expired 10 s later (two in three of the slow 429s of a 5x step on a 2-core
-EPYC).  So a request admitted while nothing is in flight (no request queued
-here, none in the engine) starts a busy period: the 1-s averages restart from
-zero, and until they have filled they are read as the mean rate since the
-period began (divided by the weight they have filled), once the period is
-``ONSET_MIN_S`` old.  Before that its arrivals are a burst, not yet a rate,
-and are read as they are: reading a wave of 8 requests sent at once as 32 a
-second (8 over a quarter second) stretched the predictions of the P2s in it
-tenfold, on an engine that served them within a second.  A surge from load
-already in flight is seen by the 1-s average as before.
+NOTE(p0-margin): past the load where express steps take P0's prefills as they come, P0s queue behind
+normal steps the model does not see.  While over ``P0_MISS_HIGH`` of admitted P0s miss their target,
+each P0 start multiplies P0's predictions by ``P0_MARGIN_STEP`` (up to ``P0_MARGIN_MAX``); under
+``P0_MISS_LOW`` each divides them back, and the margin fades to 1 over ``P0_MARGIN_DECAY_S`` (a margin
+that refuses every P0 gets no starts to learn from).
 
-NOTE(refused-above): shedding goes lowest class first, so while a higher class is being refused for
-its predicted wait (within ``REFUSED_ABOVE_S``), a lower-class request is refused too, whatever its
-own prediction says: the higher classes alone fill the engine, and a lower-class request admitted in
-a gap of the queue is pushed back behind them until it is overdue.
-
-NOTE(overdue): the prediction is a mean; a lower-class request admitted on it
-can still be pushed back by the higher classes' arrivals for far longer (P2
-served after 30-60 s at 2-3x load, some past a client's 60 s timeout).  A
-queued request of a class below P0 that has waited ``OVERDUE_FACTOR`` times its
-class's target without a first token has missed its target for good; it is
-shed (429, ``code: expired``, a jittered ``Retry-After``) rather than left to
-take engine time from requests that can still make theirs, or to hang until
-the client gives up.  P0 is never shed this way.  ``overdue`` sweeps the queue
-at most every ``OVERDUE_SWEEP_S``.  A started request that a higher class
-preempted and left without output is the server's to shed (NOTE(stalled) in
-``serving``).
-
-NOTE(class-drain): the prediction models the engine; what it cannot see is how
-the engine's share actually falls to a class over time (the higher classes'
-arrivals are only a mean, NOTE(higher-arrivals)).  At 2x load, with P0 and P1
-taking the whole engine, P2 requests admitted on the model started at 0.5/s and
-three in four of them expired after 10 s (slow 429s).  So each class below P0
-also measures its own queue.  A new request starts behind the ones queued of
-its class (FIFO within a class), so it waits at least as long as the oldest
-of them has (the sojourn time, as in CoDel: it sees a starved class at once),
-and at least ``(queued + 1) / drain``, the *drain rate* being first outputs per
-second of time the class had requests queued (both exponentially weighted over
-``RATE_WINDOW_S``; no start in the window counts as one; it counts once the class has been backlogged
-``DRAIN_MIN_BACKLOG_S`` (``admission_rates``), weighted, so that a burst on an idle server is judged
-by the model alone).  The prediction is the largest of the three.  P0 keeps the model only: its
-express steps start the queued P0s together, which a per-request rate would overstate.
-
-NOTE(p0-margin): P0's prediction is a model of the engine's express steps,
-and it holds while they can take P0's prefills as they come.  Past that (at 5x
-load P0 alone is about the engine's capacity, and express steps may take only
-part of the engine's time) P0s queue behind normal steps the model does not
-see: on a 2-core Sapphire Rapids at 5x, P0s admitted on it got their first
-token at 0.3 s p99 against a 56 ms target, a third of them late, and each late
-one took engine time from one that could have been on time.  So the
-controller checks its P0 decisions: it keeps the share of admitted P0s whose
-first token came past the target (exponentially weighted, ``P0_MISS_WEIGHT`` a
-sample), and while that share is over ``P0_MISS_HIGH`` each P0 start multiplies
-P0's predictions by ``P0_MARGIN_STEP`` (up to ``P0_MARGIN_MAX``); under
-``P0_MISS_LOW`` each divides them back, down to 1.  The margin also fades back
-to 1 with time (``P0_MARGIN_DECAY_S``): a margin that refuses every P0 gets no
-more starts to learn from, and must not outlast the overload that set it.
-Where P0 is within target (its misses a few in a hundred) the margin stays 1
-and nothing changes.  At 5x on that machine P0 attainment went from 38-50% to 52-58%, and P0's TTFT
-p99 from 0.30-0.58 s to 0.23-0.27 s; a tighter margin (5% / 2%) gained 4 more points at 5x but cost
-about one at 3x (docs/benchmarks.md).
-
-NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst 2 s later and is shed
-again.  ``Retry-After`` is the predicted excess wait times U(1, 1.5), plus U(0, 1) s, so retries
-spread over the time the queue needs to drain.  The header is whole seconds rounded up, never less.
+NOTE(retry-jitter): a shed wave told "retry in 2 s" comes back as one burst.  ``Retry-After`` is the
+predicted excess times U(1, 1.5), plus U(0, 1) s; whole seconds rounded up.
 """
 
 from __future__ import annotations
@@ -168,9 +70,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluice.engine.protocol import EngineStats
+from sluice.engine.ttft_model import EngineLoad, express_request_seconds, predict_ttft, unloaded_ttft
 from sluice.errors import OverloadedError
 from sluice.server.admission_rates import RATE_WINDOW_S, ClassDrain, Rate
-from sluice.server.slo import EngineLoad, SloTargets, predict_ttft, unloaded_ttft
+from sluice.server.slo import SloTargets
 from sluice.types import Priority
 
 __all__ = ["AdmissionController", "Decision"]
@@ -335,22 +238,15 @@ class AdmissionController:
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
         shares = [x / done * utilization for x in lam]
         if load is not None and load.express_budget > 0:  # NOTE(express-share)
-            # a P0's prefill in an express step of its own, then a decode row a token in the normal steps
-            p0 = load.step_time(0, 1) + load.step_time_per_token * self.mean_prompt_tokens
-            p0 += max(0.0, self.mean_output_tokens - 1.0) * (load.step_time_per_token + load.step_time_per_seq)
-            shares[0] = lam[0] / observed * p0
+            shares[0] = lam[0] / observed * express_request_seconds(load, self.mean_prompt_tokens, self.mean_output_tokens)
         return shares, [x / observed for x in lam]
 
     def drain_wait(self, priority: int, load: EngineLoad | None = None) -> float:
         """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0.
 
-        NOTE(idle-drain): the measured drain says how fast the class got its starts
-        while higher classes took the engine.  With none of the class queued and no
-        higher class running, waiting or queued (``load``), nothing is ahead of a new
-        request and an old drain no longer applies: the model decides.  Without this,
-        one stall (a request that waited 4 s while the engine started its profiler)
-        left a backlog and no start, and every request of the class was refused for
-        the ~4 s it took to decay, while the engine sat idle.
+        NOTE(idle-drain): with none of the class queued and no higher class running, waiting or queued
+        (``load``), nothing is ahead of a new request and an old drain rate no longer applies: the model
+        decides (one stall once left a class refused for seconds on an idle engine).
         """
         if priority == Priority.P0:
             return 0.0
@@ -379,28 +275,12 @@ class AdmissionController:
     def _predict_gps(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
         """``predict``'s model for a class with a class other than P0 above it, under ``wfq``.
 
-        NOTE(gps-arrivals): P0 goes before fairness (its tight targets make it
-        behind at once, NOTE(behind-first) in the request queue; its express
-        steps and reserved slots are its own), so its share of the engine
-        stretches the wait as under strict priority (NOTE(higher-arrivals)).
-        The classes between P0 and this one share with it by their WFQ
-        weights: what they are sent while it waits joins their backlog, and
-        the queue model lets them go first only up to their weight's share
-        of this class's own work (prefill tokens, and slot starts for a
-        class waiting for a slot: ``predict_ttft`` under ``wfq``).  So their
-        arrivals over the predicted wait are added to the load, and the
-        prediction is taken again until the wait settles (the shares cap it).
-        Stretching by their share as well counted their backlog twice, once
-        in the queue and once in the stretch: on the prediction protocol's
-        waves P2 was predicted at 2-4x what it got once WFQ shared the slots.
-        The arrivals pay the queue model's costs, though, where the stretch
-        charges their measured share of the engine's work; while those classes
-        are not backlogged their shares do not bind, and the queue model's
-        slot costs (a slot limit it holds constant) overstated the wait by up
-        to 1.5x.  So the prediction is the smaller of the two: the strict
-        stretch bounds it (WFQ never gives a class less than strict priority
-        does), the shares tighten it where they bind (docs/benchmarks.md, "TTFT
-        prediction error").
+        NOTE(gps-arrivals): P0 goes before fairness (NOTE(behind-first) in the request queue), so its share
+        stretches the wait as under strict priority (NOTE(higher-arrivals)).  The classes between share by
+        their WFQ weights: their arrivals over the predicted wait join the load, which lets them go first
+        only up to their weight's share (``predict_ttft`` under ``wfq``), and the prediction is taken again
+        until it settles; stretching by their share as well counted their backlog twice.  The strict
+        stretch bounds the result (WFQ never gives a class less than strict priority does).
         """
         shares, rates = self._higher_shares(priority, load)
         base = predict_ttft(load, priority, num_prompt_tokens)

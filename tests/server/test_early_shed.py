@@ -128,7 +128,7 @@ async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_c
 
         running = asyncio.create_task(go("p1", {"prompt": "x", "max_tokens": 20}))
         deadline = time.monotonic() + 10
-        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+        while srv.state.client.stats.num_running_by_priority[1] == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         full = await go("p1", {"prompt": "x", "max_tokens": 2})
         assert full.status_code == 429 and "over the p1 target" in full.text, "the full path refuses, by prediction"
@@ -163,7 +163,7 @@ async def test_a_key_that_does_not_authenticate_is_answered_401_not_shed(server_
         running = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 20},
                                              headers={"x-priority": "p1", **auth}))  # fmt: skip
         deadline = time.monotonic() + 10
-        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+        while srv.state.client.stats.num_running_by_priority[1] == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-priority": "p1", **auth})
         assert r.status_code == 429

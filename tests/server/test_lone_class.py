@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
+from sluice.engine.ttft_model import unloaded_ttft
 from sluice.errors import OverloadedError
-from sluice.server import admission, slo
+from sluice.server import admission
 from sluice.server.telemetry import PRIORITIES, REJECT_REASONS, ServerMetrics
 from sluice.types import Priority
 from tests.server.admission_sim import run_closed_loop
@@ -88,7 +89,7 @@ def test_p0_alone_is_queued_and_beside_a_lower_class_keeps_its_derived_target() 
     a = controller("auto", clock)
     a.observe_stats(stats(num_waiting_by_priority=[20, 0, 0], num_prefill_tokens_by_priority=[2_000, 0, 0]))
     d = a.admit("p0-lone", Priority.P0, 116, 100)
-    derived = 4 * slo.unloaded_ttft(a.load(), 100)
+    derived = 4 * unloaded_ttft(a.load(), 100)
     assert d.predicted_ttft is not None and d.predicted_ttft > derived, "admitted past its derived target"
     assert d.target == a.max_queue_wait
     a.observe_stats(stats(num_waiting_by_priority=[20, 0, 0], num_prefill_tokens_by_priority=[2_000, 0, 0],
@@ -113,7 +114,7 @@ async def test_the_server_queues_a_lone_class_by_default_and_honours_max_queue_w
             body = {"prompt": "x", "max_tokens": 30}
             first = asyncio.create_task(c.post("/v1/completions", json=body))
             deadline = time.monotonic() + 10
-            while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+            while srv.state.client.stats.num_running_by_priority[1] == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert (await first).status_code == 200
@@ -126,7 +127,7 @@ async def test_the_server_queues_a_lone_class_by_default_and_honours_max_queue_w
     async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
         first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 30}))
         deadline = time.monotonic() + 10
-        while srv.state.admission.load().num_running_by_priority[1] == 0 and time.monotonic() < deadline:
+        while srv.state.client.stats.num_running_by_priority[1] == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         queued = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}))
         await asyncio.sleep(1.3)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from sluice.engine.ttft_model import predict_ttft
 from sluice.errors import OverloadedError
 from sluice.server import admission
-from sluice.server.slo import predict_ttft
 from sluice.types import Priority
 from tests.server.slo_fakes import FakeClock, controller, ran, stats
 
