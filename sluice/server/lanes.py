@@ -1,64 +1,37 @@
-"""Several engine core processes behind one API process (``--data-parallel-size N``).
+"""Several engine core processes behind one API process (``--data-parallel-size N``), and the one
+admission object that serves one engine core or N.
 
-NOTE(data-parallel): on a CPU with few cores, N engine cores of one thread each
-serve more than one engine core of N threads.  Each step of a multi-threaded
-engine ends with its threads waiting for one another (the serial parts, the
-work pool's chunks, NOTE(pool-waits)), and a small step, a P0's express step
-above all, parallelises worst: in-process on a 2-core Sapphire Rapids, a
-13-token prompt took 9.1-9.6 ms on two threads against 13.2-13.8 ms on one
-(1.45x for twice the cores), a 128-row decode step 75.6-77.4 ms against
-122.1-122.8 ms (1.6x).  Under overload the gateway's two one-thread
-replicas served 49.6-53.7 requests a second on 144-154% of a core for their
-engines, where one two-thread ``sluice serve`` served 45.7-47.7 on 160-168%.
-Two lanes of one thread against one two-thread engine, at one fixed load on that
-machine: goodput 63.2 against 53.0 req/s at 1x, 52.6 against 43.6 at 3x (means
-of four 30-s runs), P0 held alike (docs/benchmarks.md, "Two one-thread engine
-cores behind one API process").
-A lane is one engine core with its own ``EngineClient`` and its own
-``AdmissionController`` (its predictions come from its own engine's stats);
-``LanedAdmission`` and ``LanedClient`` give the rest of the API process the
-interface of one of each:
+NOTE(data-parallel): on a CPU with few cores, N engine cores of one thread each serve more than one
+engine core of N threads: each step of a multi-threaded engine ends with its threads waiting for one
+another (NOTE(pool-waits)), and small steps, P0's express steps above all, parallelise worst.  The
+measurement: docs/design/overload.md, "Lanes".
 
-- ``LanedAdmission.admit`` picks the lane.  A P0 goes to a lane with the fewest
-  P0s still waiting for their first output (as the gateway spreads them,
-  NOTE(p0-spread)), then to the lowest predicted TTFT; the other classes go to
-  the lowest predicted TTFT.  A request is refused only when every lane refuses
-  it; the decision names its lane, and ``LanedClient.add_requests`` sends it there.
-- NOTE(lane-prefix): each lane has its own prefix cache, and a conversation's
-  next turn repeats its history: sent to another lane, the history is prefilled
-  again.  ``LanedAdmission`` remembers the keys of the full prompt blocks it sent
-  each lane (chained as the engine keys its prefix cache, the last
-  ``PREFIX_MEMORY_BLOCKS`` per lane), and predicts a lane's TTFT without the
-  prefill of the blocks it holds; with every lane idle the request goes to the
-  lane that holds most of it.  It is a guess: the engine may have evicted them
-  (a wrong guess costs the prefill the guess hoped to save), and it does not see
-  a LoRA adapter, which the engine mixes into its keys.  ``SLUICE_LANE_PREFIX=0``
-  turns it off.
-- Aborts and releases follow the request to its lane; operator commands go to
-  every lane (a LoRA adapter is loaded by each engine), except profiling, which
-  follows the first engine core.
-- Stats are summed over the lanes for the metrics (at scrape time) and
-  ``/admin/kv`` (``merge_stats``); each lane's admission reads its own engine's,
-  and each lane's KV tier load waits go to the metrics as its stats arrive.
+A lane is one engine core with its own ``EngineClient`` and its own ``AdmissionController`` (predicting
+from its own engine's stats).  ``LanedClient`` gives the API process the interface of one client;
+``LanedAdmission`` is the API process's admission, for one lane or N (one path for both):
 
-The engines share nothing but idle cores: each has its model weights, KV cache
-(``--kv-cache-memory`` each), slots (``--max-num-seqs`` each) and, with
-``--kv-disk-dir``, a tier of its own: the directory for the first lane, a subdirectory ``lane-<i>`` of
-it for each other (NOTE(lane-tiers)).
+- ``admit`` picks the lane.  A P0 goes to a lane with the fewest P0s still waiting for their first
+  output (as the gateway spreads them, NOTE(p0-spread)), then to the lowest predicted TTFT; the other
+  classes go to the lowest predicted TTFT.  A request is refused only when every lane refuses it; the
+  decision names its lane, and ``LanedClient.add_requests`` sends it there.
+- NOTE(lane-prefix): each lane has its own prefix cache, and a conversation's next turn repeats its
+  history.  With several lanes, the keys of the full prompt blocks sent to each lane are remembered
+  (the last ``PREFIX_MEMORY_BLOCKS``), a lane's TTFT is predicted without the prefill of the blocks it
+  holds, and with every lane idle a request goes to the lane that holds most of it.  A guess: the engine
+  may have evicted them, and a LoRA adapter is not in these keys.  ``SLUICE_LANE_PREFIX=0`` turns it off.
+- Aborts and releases follow the request to its lane; operator commands go to every lane, profiling to
+  the first.  Stats are summed over the lanes for the metrics and ``/admin/kv`` (``merge_stats``); each
+  lane's admission reads its own engine's.
 
-NOTE(lane-lend): one thread per lane made a lone request slower than one
-engine on every core.  Unpinned and with ``--num-threads`` not given, each
-engine's work pool gets a thread per core, and before each step an engine
-reads the lanes' idle marks (one shared value per lane, ``CoreLending``): with
-every other lane idle for ``LEND_AFTER_S`` or more it runs on all the cores,
-else on its share (``set_work_pool_active``).  The wait keeps a lane from
-borrowing in the short gaps between another's steps under load: borrowed
-there, the cores are wanted back mid-step, and a pool worker the OS then
-takes off its core holds its chunk (NOTE(pool-waits)).  The pool's extra
-workers sleep while not used.  An engine that finds another busy gives the
-cores back at its next step.  A model whose layers are not all on sluice's
-kernels runs on torch's threads instead, which are not lent: that engine
-keeps its share.
+The engines share nothing but idle cores: each has its weights, KV cache, slots and, with
+``--kv-disk-dir``, a tier of its own (NOTE(lane-tiers)).
+
+NOTE(lane-lend): one thread per lane made a lone request slower than one engine on every core.
+Unpinned and with ``--num-threads`` not given, each engine's work pool gets a thread per core, and
+before each step an engine reads the lanes' idle marks (``CoreLending``): with every other lane idle for
+``LEND_AFTER_S`` or more it runs on all the cores, else on its share.  The wait keeps a lane from
+borrowing in the gaps between another's steps, where the cores would be wanted back mid-step
+(NOTE(pool-waits)).  A model not on sluice's kernels runs on torch's threads, which are not lent.
 """
 
 from __future__ import annotations
@@ -70,7 +43,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sluice.engine.config import BLOCK_SIZE, EngineConfig, ModelInfo
 from sluice.engine.protocol import EngineRequest, EngineStats, KVTierStats
@@ -79,9 +52,12 @@ from sluice.server.admission import AdmissionController, Decision
 from sluice.server.engine_client import EngineClient, RequestStream
 from sluice.types import Priority
 
+if TYPE_CHECKING:
+    from sluice.server.config import ServerSettings
+
 __all__ = [
-    "AnyAdmission", "AnyClient", "CoreLending", "LanedAdmission", "LanedClient", "data_parallel_lanes", "lane_configs",
-    "lane_lending", "lane_of", "merge_stats", "prompt_block_keys",
+    "AnyAdmission", "AnyClient", "CoreLending", "LanedAdmission", "LanedClient", "build_admission", "data_parallel_lanes",
+    "lane_configs", "lane_lending", "lane_of", "merge_stats", "prompt_block_keys",
 ]
 
 # fields that are a level, not an amount: the lanes' mean, not their sum
@@ -175,14 +151,12 @@ def data_parallel_lanes(
 ) -> tuple[int, str]:
     """The engine cores ``--data-parallel-size`` asks for, and why (for the start-up log).
 
-    NOTE(dp-auto): ``auto`` runs two lanes where they were measured to serve more short requests, and
-    hold P0 better at one load, than one engine without slowing a lone stream (docs/benchmarks.md,
-    "Two lanes as the default: measured, and left to `auto`"): sluice's engine on a CPU of 2-3 cores,
-    not pinned, ``--num-threads`` not given, the cores lent (NOTE(lane-lend)), quantized weights (float ones run
-    on torch's threads, which are not lent: a lone stream would get one core) whose two copies fit in
-    half the free memory.  Elsewhere one engine core, as ``--data-parallel-size 1``.  Only 2 cores
-    were measured; 3 follow the same reasoning (one-thread lanes on few cores).  It is not the default:
-    on long multi-turn prompts one engine served more (``benchmarks/lane_prefix.py``)."""
+    NOTE(dp-auto): ``auto`` runs two lanes where they were measured to serve more and hold P0 better
+    without slowing a lone stream: sluice's engine on a CPU of 2-3 cores, not pinned, ``--num-threads``
+    not given (the cores lent, NOTE(lane-lend)), quantized weights (float ones run on torch's threads,
+    which are not lent) whose two copies fit in half the free memory; elsewhere one engine core.  Not
+    the default: on long multi-turn prompts one engine served more (docs/benchmarks.md, "Multi-turn
+    conversations on two lanes")."""
     if setting != "auto":
         return int(setting), f"--data-parallel-size {setting}"
     n, why = 1, ""
@@ -400,15 +374,20 @@ class LanedClient:
 
 
 class LanedAdmission:
-    """N ``AdmissionController``s, one per lane, with the interface of one (module docstring)."""
+    """The API process's admission: one ``AdmissionController`` per engine core, one core or several, with
+    the interface of one (module docstring).  ``build_admission`` makes it from the server's settings."""
 
     def __init__(self, lanes: list[AdmissionController], assigned: dict[str, int]):
         assert lanes, "at least one lane"
         self.lanes = lanes
         self._assigned = assigned  # request uid -> lane (shared with LanedClient)
-        # NOTE(lane-prefix): each lane's prompt blocks sent, least recently sent first (SLUICE_LANE_PREFIX=0: off)
+        # NOTE(lane-prefix): each lane's prompt blocks sent, least recently sent first (one lane: nothing to pick)
         self.prefix_memory: list[OrderedDict[int, None]] | None = (
-            None if os.environ.get("SLUICE_LANE_PREFIX") == "0" else [OrderedDict() for _ in lanes])
+            None if len(lanes) == 1 or os.environ.get("SLUICE_LANE_PREFIX") == "0" else [OrderedDict() for _ in lanes])
+
+    def observe_stats(self, lane: int, stats: EngineStats) -> None:
+        """A lane's engine stats, for that lane's predictions."""
+        self.lanes[lane].observe_stats(stats)
 
     # -- choosing a lane -----------------------------------------------------------
 
@@ -429,6 +408,8 @@ class LanedAdmission:
         Every lane idle: the one that holds most of the prompt (NOTE(lane-prefix)), else the first, so that
         a lone stream stays in one lane, and that lane finds the others idle long enough to borrow their
         cores (NOTE(lane-lend)); the lanes' predictions differ then by their measurements' noise only."""
+        if len(self.lanes) == 1:
+            return [0]
         cached = [self.cached_tokens(i, prompts_keys) if prompts_keys else 0 for i in range(len(self.lanes))]
         if all(adm.is_idle for adm in self.lanes):
             return sorted(range(len(self.lanes)), key=lambda i: -cached[i])
@@ -528,6 +509,26 @@ class LanedAdmission:
         return sum(adm.num_queued_tokens for adm in self.lanes)
 
 
-# what the rest of the API process holds: one engine core's, or the lanes'
+def build_admission(settings: ServerSettings, num_lanes: int, assigned: dict[str, int],
+                    clock: Callable[[], float] = time.monotonic) -> LanedAdmission:  # fmt: skip
+    """The server's admission over ``num_lanes`` engine cores, its bounds shared out over them."""
+    engine = settings.engine
+    return LanedAdmission([
+        AdmissionController(
+            -(-settings.max_queued_requests // num_lanes),
+            -(-settings.max_queued_tokens // num_lanes),
+            slo=settings.slo_targets,
+            policy=engine.scheduling_policy,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
+            max_queue_wait=settings.max_queue_wait,
+            clock=clock,
+        )
+        for _ in range(num_lanes)
+    ], assigned)  # fmt: skip
+
+
+# what the rest of the API process holds: one engine core's client, or the lanes'
 AnyClient: TypeAlias = EngineClient | LanedClient
+# until app.py builds a LanedAdmission for one engine core too (build_admission); then LanedAdmission alone
 AnyAdmission: TypeAlias = AdmissionController | LanedAdmission

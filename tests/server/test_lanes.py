@@ -24,6 +24,7 @@ from sluice.server.config import load_settings
 from sluice.server.lanes import (
     LanedAdmission,
     LanedClient,
+    build_admission,
     data_parallel_lanes,
     lane_configs,
     lane_lending,
@@ -259,6 +260,37 @@ def test_a_request_is_refused_only_when_every_lane_refuses_it() -> None:
     assert d.shed == ["x"] and d.lane == 0
     assert adm.num_queued == 2
     assert adm.refuse_early(Priority.P2) is None  # nothing refused by predicted wait: parse and admit
+
+
+def test_one_engine_core_is_admitted_by_the_same_object_as_its_controller_alone() -> None:
+    """No second path for one engine core: a one-lane LanedAdmission decides as its controller alone does."""
+    from tests.server.slo_fakes import FakeClock, controller, stats
+
+    clock = FakeClock()
+    alone, inner = controller("p0=0.2s", clock), controller("p0=0.2s", clock)
+    adm = LanedAdmission([inner], {})
+    assert adm.prefix_memory is None, "one lane: no lane to choose, no prompt blocks to remember"
+    for c in (alone, inner):
+        c.observe_stats(stats())
+    for i in range(3):
+        assert adm.admit(f"p2-{i}", Priority.P2, 116, 100, [[1] * 100]) == dataclasses.replace(
+            alone.admit(f"p2-{i}", Priority.P2, 116, 100), lane=0)
+    d = adm.admit("p0", Priority.P0, 101, 100)
+    assert d == alone.admit("p0", Priority.P0, 101, 100) and d.shed == ["p2-2", "p2-1"]
+    adm.observe_stats(0, stats(num_running_by_priority=[0, 1, 0]))
+    assert inner.load().num_running_by_priority == [0, 1, 0] and adm.num_queued == alone.num_queued == 2
+    for k in ("p2-0", "p0"):
+        adm.remove(k)
+    assert adm.num_queued == 0 and adm._assigned == {"p2-2": 0, "p2-1": 0}, "the shed ones leave when serving removes them"
+
+
+def test_the_server_bounds_are_shared_out_over_the_lanes() -> None:
+    settings = load_settings(model="fake", max_queued_requests=5, max_queued_tokens=1001, slo="p0=1s",
+                             max_queue_wait=30)  # fmt: skip
+    one, two = build_admission(settings, 1, {}), build_admission(settings, 2, {})
+    assert [(a.max_requests, a.max_tokens) for a in one.lanes] == [(5, 1001)]
+    assert [(a.max_requests, a.max_tokens) for a in two.lanes] == [(3, 501)] * 2, "rounded up"
+    assert all(a.slo is not None and a.slo.seconds[0] == 1.0 and a.max_queue_wait == 30 for a in two.lanes)
 
 
 class _StubClient:
