@@ -1,25 +1,19 @@
 """How long an engine step takes: ``a + b * tokens + c * seqs``, measured.
 
-``StepTimeModel.observe(num_tokens, seconds, num_seqs)`` after each step; the
-fit is an exponentially weighted least-squares plane over the last
-~``1 / (1 - decay)`` steps, so it follows the machine (a neighbour taking a
-core, a warm cache).  The engine publishes ``base`` (a, seconds),
-``per_token`` (b, seconds per batched token) and ``per_seq`` (c, seconds per
-scheduled sequence) in its stats; the API process predicts time to first
-token from them (``sluice.server.admission``).
+``StepTimeModel.observe(num_tokens, seconds, num_seqs)`` after each step; the fit is an exponentially
+weighted least-squares plane over the last ~``1 / (1 - decay)`` steps, so it follows the machine (a
+neighbour taking a core, a warm cache).  The engine publishes the terms in its stats; the TTFT model
+(``ttft_model``) and the engine's step bounds predict from them.
 
-NOTE(per-seq-cost): a sequence in a step costs more than its tokens: its
-attention over its whole context, its sampling row, its bookkeeping.  On a
-small model a decode row (one token) costs ~20x a prefill token, so a line in
-tokens alone, fitted on prefill-heavy steps, mispredicts a decode-heavy wait
-by 2x either way.  The per-sequence term is fitted only while the steps'
-token and sequence counts vary independently enough to tell them apart.
+NOTE(per-seq-cost): a sequence in a step costs more than its tokens (its attention over its context,
+its sampling row, its bookkeeping), so a line in tokens alone, fitted on prefill-heavy steps,
+mispredicts a decode-heavy wait.  The per-sequence term is fitted only while the steps' token and
+sequence counts vary independently enough to tell them apart.
 
-NOTE(flat-fit): while every step has about the same size, the terms cannot be
-told apart; the model then charges everything per token (``a = c = 0``,
-``b = mean time / mean tokens``), which is right at that size and errs on the
-slow side for larger steps.  Likewise, while tokens and sequences move
-together (decode-only steps), the line in tokens alone carries both.
+NOTE(flat-fit): while every step has about the same size, the terms cannot be told apart: everything
+is charged per token (``a = c = 0``, ``b = mean time / mean tokens``): right at that size, on the slow
+side for larger steps.  While tokens and sequences move together (decode-only steps), the line in
+tokens alone carries both.
 """
 
 from __future__ import annotations

@@ -1,45 +1,22 @@
 """Answer a request that admission refuses whatever it says before the app reads it.
 
-NOTE(early-shed): under overload most requests end in a 429, and on a small
-machine the API process shares the cores with the engine: every millisecond of
-CPU it spends on a request it refuses is taken from the steps that serve the
-admitted ones.  A refused request cost ~0.6 ms of the API process's CPU on the
-2-core test machines (the HTTP parse, the app's middleware and routing, the
-body's validation, tokenization, admission, the error's rendering); at 3x load
-that is ~155 of them a second, ~9% of a core, and every 1% of a core the engine
-loses costs it about as much of its token rate (docs/benchmarks.md, "Where the
-engine's time goes at 3x").  This middleware answers at once the requests that
-admission would refuse whatever their body says (``AdmissionController.refuse_early``),
-the class taken from the ``x-priority`` header and capped by the caller's key
-as usual:
+NOTE(early-shed): under overload most requests end in a 429, and on a small machine every
+millisecond of CPU the API process spends on a request it refuses is taken from the engine's steps.
+This middleware answers at once what admission would refuse whatever the body says
+(``refuse_early``), the class taken from the ``x-priority`` header and capped by the caller's key:
 
-- a request of a class below one that is being refused for its predicted
-  wait (NOTE(refused-above) in sluice.server.admission), before its body is read;
-- a request of a class that was itself refused for its predicted wait in the
-  last ``EARLY_SHED_S`` (0.25 s), after its body is read but not validated or
-  tokenized: that refusal's best case for a 1-token prompt, less the time since
-  (a queue's wait shrinks no faster than time passes), is over the class's
-  target for the longest prompt the body may hold (the prediction grows with
-  the prompt, and an auto target may too).  The bound: a token is at least a
-  byte of text, plus what the tokenizer adds (``prompt_bound``), or for a chat
-  request what the chat template adds, the tokens of the same messages with
-  empty contents (``ChatBound``, rendered once per sequence of roles).  After
-  ``EARLY_SHED_S`` the next request of the class goes the full path, and its
-  refusal renews the floor.
+- a class below one being refused for its predicted wait (NOTE(refused-above) in
+  sluice.server.admission), before its body is read;
+- a class itself refused for its predicted wait in the last ``EARLY_SHED_S``, after its body is read but
+  not validated or tokenized: that refusal's best case for a 1-token prompt, less the time since, is
+  over the class's bound for the longest prompt the body may hold (``prompt_bound``, ``ChatBound``: a
+  token is at least a byte of text, plus what the tokenizer or chat template adds).
 
-Each costs the API process ~0.25 ms instead of ~0.6 (same machines).
-
-What the full path does first still comes first: a draining server or a dead
-engine answers 503, and a request whose key does not authenticate or whose
-header names no class goes the full path (401, 400).  What it would check
-after is skipped, so a request shed early is answered 429 even where its body
-would have been answered 400 or 404: the 429's ``Retry-After`` is the same
-jittered one, and a retry gets the full path's answer.  A class given in the
-body only is not known here, so that request goes the full path.  The request
-is counted as the full path counts it (``sluice_requests_total``,
-``sluice_admission_rejected_total``, the class's SLO attainment) and logged with
-``"early_shed": true``; it gets no trace span.  P0 is never refused this way
-(no class is above it).
+What the full path checks first still comes first (503 draining or dead engine, 401, 400 for a bad
+class header); what it checks after is skipped, so a request shed early gets the 429 even where its
+body would have got 400 or 404 (a retry gets the full path's answer).  A class given in the body only
+goes the full path.  Counted and logged as the full path counts it (``"early_shed": true``), no trace
+span.  P0 is never refused this way.  What it saves: docs/design/overload.md, "Early shedding".
 """
 
 from __future__ import annotations
