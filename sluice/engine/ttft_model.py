@@ -120,8 +120,8 @@ def unloaded_ttft(load: EngineLoad, num_prompt_tokens: int) -> float:
 def express_request_seconds(load: EngineLoad, num_prompt_tokens: float, num_output_tokens: float) -> float:
     """Engine time of one P0 request with express steps: its prefill in a step of its own, then a decode row
     of a normal step for each token after the first (the admission's NOTE(express-share))."""
-    per_row = load.step_time_per_token + load.step_time_per_seq
-    return load.step_time(0, 1) + load.step_time_per_token * num_prompt_tokens + max(0.0, num_output_tokens - 1.0) * per_row
+    prefill = load.step_time(0, 1) + load.step_time_per_token * num_prompt_tokens
+    return prefill + max(0.0, num_output_tokens - 1.0) * (load.step_time_per_token + load.step_time_per_seq)
 
 
 def _slot_classes(c: int) -> slice:

@@ -70,7 +70,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluice.engine.protocol import EngineStats
-from sluice.engine.ttft_model import EngineLoad, express_request_seconds, predict_ttft, unloaded_ttft
+from sluice.engine.ttft_model import (
+    EngineLoad,
+    express_request_seconds,
+    predict_ttft,
+    unloaded_ttft,
+)
 from sluice.errors import OverloadedError
 from sluice.server.admission_rates import RATE_WINDOW_S, ClassDrain, Rate
 from sluice.server.slo import SloTargets
@@ -238,7 +243,8 @@ class AdmissionController:
         utilization = min(1.0, busy / observed)  # the busy fraction: busy seconds over the seconds observed
         shares = [x / done * utilization for x in lam]
         if load is not None and load.express_budget > 0:  # NOTE(express-share)
-            shares[0] = lam[0] / observed * express_request_seconds(load, self.mean_prompt_tokens, self.mean_output_tokens)
+            p0 = express_request_seconds(load, self.mean_prompt_tokens, self.mean_output_tokens)
+            shares[0] = lam[0] / observed * p0
         return shares, [x / observed for x in lam]
 
     def drain_wait(self, priority: int, load: EngineLoad | None = None) -> float:

@@ -15,7 +15,13 @@ import pytest
 
 from sluice.engine import ttft_model
 from sluice.engine.protocol import EngineStats
-from sluice.engine.ttft_model import MID_STEP_WAIT_S, EngineLoad, express_request_seconds, predict_ttft, unloaded_ttft
+from sluice.engine.ttft_model import (
+    MID_STEP_WAIT_S,
+    EngineLoad,
+    express_request_seconds,
+    predict_ttft,
+    unloaded_ttft,
+)
 from sluice.types import Priority
 
 

@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
+from sluice.engine.ttft_model import predict_ttft
 from sluice.errors import OverloadedError
 from sluice.http_errors import retry_after_header
-from sluice.engine.ttft_model import predict_ttft
 from sluice.server import admission, admission_rates
 from sluice.server.slo import SloTargets
 from sluice.types import Priority
