@@ -4,7 +4,7 @@
          -> tokenize -> context check -> rate limit -> admission -> engine -> deltas -> response
 
 ``OpenAIServing.handle()`` returns either a finished JSON document or an SSE
-body generator; the route (``app.py``) wraps it in a response.  Everything a
+body generator; the route (``routes.py``) wraps it in a response.  Everything a
 request holds (engine requests, admission slot, in-flight slot, span) is
 released in ``_finish``, whatever way it ends.
 """
