@@ -530,5 +530,5 @@ def build_admission(settings: ServerSettings, num_lanes: int, assigned: dict[str
 
 # what the rest of the API process holds: one engine core's client, or the lanes'
 AnyClient: TypeAlias = EngineClient | LanedClient
-# until app.py builds a LanedAdmission for one engine core too (build_admission); then LanedAdmission alone
-AnyAdmission: TypeAlias = AdmissionController | LanedAdmission
+# the one admission object, one engine core or N (state.py and serving.py still name it so; to go with them)
+AnyAdmission: TypeAlias = LanedAdmission
