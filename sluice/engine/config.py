@@ -123,13 +123,10 @@ class EngineConfig:
         "Context window, prompt + output (default: the model's, capped at 8192)."))
     max_num_batched_tokens: int = field(default=512, metadata=setting(
         "Token budget of one engine step (prefill chunks + decodes)."))
-    # NOTE(p0-slots): 128, not 64.  Under overload P0 holds most of the slots: its
-    # decodes run in steps that nested express steps stretch, so a P0 stays ~1 s and
-    # a burst of P0 arrivals (40-50% over its mean for a second) fills 64 slots alone;
-    # a P0 with no free slot cannot be nested mid-step and waits out the running step.
-    # The lower classes' rows stay bounded by the row cap while tight targets are about
-    # (NOTE(row-cap) in core), so the extra slots go to P0.  A/B at 3x (docs/benchmarks.md,
-    # overload_repeat): P0 attainment 88-90% with 64 slots, 97-98% with 128.
+    # NOTE(p0-slots): 128, not 64.  Under overload P0 holds most of the slots (its decodes run in steps that
+    # nested express steps stretch), and a P0 with no free slot cannot be nested mid-step: it waits out the
+    # running step.  The lower classes' rows stay bounded by the row cap (NOTE(row-cap)), so the extra slots
+    # go to P0.  The A/B is in docs/design/overload.md.
     max_num_seqs: int = field(default=128, metadata=setting("Running sequences cap."))
     scheduling_policy: str = field(default="wfq", metadata=setting(
         "Order of the waiting queue: fcfs, strict priority, or weighted fair queuing by class.",
