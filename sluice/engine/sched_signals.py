@@ -29,8 +29,8 @@ PEAK_DECAY_S = 5.0  # time constant of the decaying peak of running requests by 
 class TargetMemory:
     """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds.
 
-    NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(step-cap),
-    NOTE(row-cap)) before the next request with it arrives, so a target is remembered for a
+    NOTE(target-memory): the engine bounds its steps for a tight target (NOTE(row-cap)) before
+    the next request with it arrives, so a target is remembered for a
     while after its request came: long enough to hold through P0 traffic of a few a second,
     short enough to lift where P0 is rare (a P0 arriving into an unbounded step starts
     mid-step, NOTE(mid-step-express)).  The targets of requests still waiting or in their

@@ -6,7 +6,7 @@
 NOTE(auto-slo): a class given no target gets ``max(floor, multiple x the request's unloaded TTFT)``
 (``AUTO_FLOORS``, ``AUTO_MULTIPLES``), the unloaded TTFT from the engine's measured step time: P0 is
 held to a few times what an idle engine does for that very prompt (the engine bounds its steps to
-match, NOTE(step-cap)), and a long prompt on a slow machine is not refused for a target no idle engine
+match, NOTE(row-cap)), and a long prompt on a slow machine is not refused for a target no idle engine
 could meet.  A derived target binds only while another class is active beside the request's
 (NOTE(lone-class) in ``sluice.server.admission``).  The prediction it is held against is the
 scheduler's model of itself, ``sluice.engine.ttft_model``.
