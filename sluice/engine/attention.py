@@ -66,13 +66,17 @@ def flat_batch_metadata(
 ) -> tuple[list[int], AttentionMetadata]:
     """The flat batch's positions and attention metadata: each row ``(start, num_new, block_table)`` is a
     sequence computing positions ``start .. start + num_new - 1``, its K/V in the table's blocks (the
-    whole table is attended: pass only the blocks the sequence holds)."""
+    whole table is attended: pass only the blocks the sequence holds).  A table's leading entries may be
+    ``FREED_BLOCK`` (-1: out of a sliding window, NOTE(window-blocks) in the block manager): only the
+    window's attention reads such a table, from the first block its queries see."""
     positions: list[int] = []
     slots: list[int] = []
     qsl = [0]
     seq_lens: list[int] = []
     for start, n, blocks in rows:
         pos = range(start, start + n)
+        if n and blocks[start // block_size] < 0:  # never: a window frees only blocks before every query's keys
+            raise RuntimeError(f"position {start} falls in a block freed out of the sliding window")
         positions.extend(pos)
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
         qsl.append(qsl[-1] + n)

@@ -20,8 +20,21 @@ being loaded from a KV tier is registered under its key at once and held by
 the load (``hold_for_load`` / ``release_load``), so requests that share it
 wait for that one load; a block whose load failed loses its key.
 
-Invariant (checked by the property tests): every block is either held
-(ref_count > 0) or in the free list, never both, and after every request is
+NOTE(window-blocks): a model whose every layer attends within a sliding
+window never reads a key ``window`` or more positions before its query, so a
+request's leading blocks go back to the pool once every token in them is that
+old for its next query (``free_before``, called by the scheduler).  Its table
+keeps ``FREED_BLOCK`` in their place, so position p still lives in entry
+p // 16; attention reads none of them (models/attention.py skips the blocks
+before the window).  A freed block is released like any other: it keeps its
+key while no one reuses it (its K/V are still those of its prefix, so a request
+that looks the prefix up may take it and hold it again), and ``_take_free``
+drops the key before the block is written again, so a key never names a block
+that holds other K/V.
+
+Invariant (``check_invariants``, run by the property tests): every block is
+either held (ref_count > 0) or in the free list, never both; its ref_count is
+the number of requests (and KV tier loads) holding it; after every request is
 freed, free blocks == total blocks.
 """
 
@@ -29,12 +42,14 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from sluice.engine.kv_tiers.keys import hash_block_tokens
 from sluice.engine.request import Request
 
-__all__ = ["BlockManager", "hash_block"]
+__all__ = ["BlockManager", "hash_block", "FREED_BLOCK"]
+
+FREED_BLOCK = -1  # a block table entry given back out of a sliding window (NOTE(window-blocks))
 
 
 def hash_block(prev_hash: int | None, tokens: Sequence[int], salt: bytes = b"") -> int:
@@ -81,6 +96,11 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @staticmethod
+    def num_held_blocks(req: Request) -> int:
+        """Blocks the request holds (its table less the entries freed out of its window)."""
+        return sum(1 for b in req.block_ids if b != FREED_BLOCK)
+
     # ------------------------------------------------------------ prefix cache
 
     def prefix_hashes(self, req: Request, num_blocks: int) -> list[int]:
@@ -120,6 +140,16 @@ class BlockManager:
             self.hash_by_block[b] = None
         self.ref_counts[b] = 1
         return b
+
+    def _release(self, b: int, owner: str) -> None:
+        """Drop one reference; a block no one holds goes to the free list, at the front if uncached."""
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] < 0:
+            raise RuntimeError(f"block {b} freed twice ({owner})")
+        if self.ref_counts[b] == 0:
+            self.free[b] = None
+            if self.hash_by_block[b] is None:
+                self.free.move_to_end(b, last=False)  # uncached: reuse first
 
     def _hold(self, b: int) -> None:
         if self.ref_counts[b] == 0:
@@ -161,29 +191,29 @@ class BlockManager:
     def free_request(self, req: Request) -> None:
         """Release the request's blocks; tail blocks first so they are evicted first."""
         for b in reversed(req.block_ids):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] < 0:
-                raise RuntimeError(f"block {b} freed twice (request {req.request_id})")
-            if self.ref_counts[b] == 0:
-                if self.hash_by_block[b] is None:
-                    self.free[b] = None
-                    self.free.move_to_end(b, last=False)  # uncached: reuse first
-                else:
-                    self.free[b] = None
+            if b != FREED_BLOCK:
+                self._release(b, f"request {req.request_id}")
         req.block_ids = []
         req.block_hashes = []
+
+    def free_before(self, req: Request, position: int) -> int:
+        """Give back the request's blocks whose tokens all lie before ``position`` (NOTE(window-blocks));
+        their entries become ``FREED_BLOCK``.  Returns how many were freed now."""
+        end = min(max(0, position) // self.block_size, len(req.block_ids))
+        start = end
+        while start > 0 and req.block_ids[start - 1] != FREED_BLOCK:  # freed entries are a prefix of the table
+            start -= 1
+        for i in range(end - 1, start - 1, -1):  # later blocks first, so they are evicted first
+            self._release(req.block_ids[i], f"request {req.request_id}")
+            req.block_ids[i] = FREED_BLOCK
+        return end - start
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Give back the request's blocks past its first ``num_tokens`` tokens (the slots of rejected
         speculative drafts: never registered, they are reused first)."""
         keep = max(self.blocks_needed(num_tokens), len(req.block_hashes))
         while len(req.block_ids) > keep:
-            b = req.block_ids.pop()
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self.free[b] = None
-                if self.hash_by_block[b] is None:
-                    self.free.move_to_end(b, last=False)
+            self._release(req.block_ids.pop(), f"request {req.request_id}")
 
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register hashes for the request's blocks that are full and computed."""
@@ -197,7 +227,7 @@ class BlockManager:
             h = keys[i]
             req.block_hashes.append(h)
             b = req.block_ids[i]
-            if h not in self.block_by_hash and self.hash_by_block[b] is None:
+            if b != FREED_BLOCK and h not in self.block_by_hash and self.hash_by_block[b] is None:
                 self.block_by_hash[h] = b
                 self.hash_by_block[b] = h
                 if self.track_new_blocks:
@@ -236,17 +266,27 @@ class BlockManager:
                 if self.block_by_hash.get(h) == b:
                     del self.block_by_hash[h]
                 self.hash_by_block[b] = None
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self.free[b] = None
-                if self.hash_by_block[b] is None:
-                    self.free.move_to_end(b, last=False)  # uncached: reuse first
+            self._release(b, "a KV tier load")
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queries += num_prompt_tokens
         self.num_prefix_hits += num_hit_tokens
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, requests: Iterable[Request] | None = None) -> None:
+        """Raise AssertionError where the pool's books disagree.  With ``requests`` (every request that
+        holds blocks, while no KV tier load holds any), each block's ref_count must be its number of holders."""
+        if requests is not None:
+            holders = [0] * self.num_blocks
+            for req in requests:
+                ids = req.block_ids
+                freed = next((i for i, b in enumerate(ids) if b != FREED_BLOCK), len(ids))
+                if any(b == FREED_BLOCK for b in ids[freed:]):
+                    raise AssertionError(f"{req.request_id}: a freed entry after a held block in {ids}")
+                for b in ids[freed:]:
+                    holders[b] += 1
+            for b, n in enumerate(holders):
+                if self.ref_counts[b] != n:
+                    raise AssertionError(f"block {b} has ref_count {self.ref_counts[b]} but {n} holders")
         for b in range(self.num_blocks):
             rc = self.ref_counts[b]
             if rc < 0:

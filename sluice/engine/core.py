@@ -38,7 +38,7 @@ from sluice.engine.scheduler import Scheduler, SchedulerOutput
 from sluice.engine.spec.draft import DraftModel, draft_source
 from sluice.engine.spec.proposer import make_proposer
 from sluice.engine.spec.speculator import Speculator
-from sluice.engine.spec_config import SpeculativeConfig
+from sluice.engine.spec_config import SpecMethod, SpeculativeConfig
 from sluice.engine.step_model import StepTimeModel
 from sluice.engine.structured import (
     GrammarCompiler,
@@ -107,6 +107,7 @@ class EngineCore:
             adapter_ready=self.lora.is_ready,
             kv_tiers=self.kv_tiers,
             clock=clock,
+            sliding_window=self._freeing_window(),
         )
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own, when seeded
         self._pending_aborts: list[str] = []
@@ -149,6 +150,22 @@ class EngineCore:
             num_active_parameters=summary["num_active_parameters"],
             weight_bytes=summary["weight_bytes"],
         )
+
+    def _freeing_window(self) -> int | None:
+        """The window out of which the scheduler frees blocks (NOTE(window-blocks) in the block manager).
+
+        NOTE(window-scope): only where every layer slides.  Gemma 2/3 interleave global layers, which
+        read every key: their blocks stay (a second block table for the sliding layers, vLLM's hybrid
+        allocator, would free those layers' share; not built).  A draft model writes and reads the
+        request's blocks from its own progress, which may lag the window (NOTE(draft-blocks)): none
+        are freed while one drafts.
+        """
+        cfg, spec = self.runner.model_config, self.config.speculative_config
+        if not cfg.sliding_window or not all(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+            return None
+        if spec is not None and SpeculativeConfig.from_dict(spec).method is SpecMethod.DRAFT_MODEL:
+            return None
+        return cfg.sliding_window
 
     # ------------------------------------------------------------ speculation
 

@@ -46,7 +46,9 @@ After the model ran, ``update_from_output`` applies the step: it advances
 each request's progress (``num_computed_tokens``: only the scheduler writes
 it), registers newly full blocks with the block manager, appends the sampled
 tokens and finishes the requests that hit a stop token, ``max_tokens`` or the
-context window.  ``finish_requests`` finishes others (aborts).  Both return
+context window; for a model whose every layer has a sliding window, it also
+gives back the blocks that fell out of it (NOTE(window-blocks) in the block
+manager).  ``finish_requests`` finishes others (aborts).  Both return
 the ``EngineOutput`` messages, built in one place (``_make_output``).
 """
 
@@ -134,7 +136,11 @@ class Scheduler:
         max_loras: int = 1 << 30,  # distinct LoRA adapters among running requests
         adapter_ready: Callable[[Request], bool] | None = None,  # its adapter is in memory (LoRAManager.is_ready)
         kv_tiers: KVTierConnector | None = None,  # tier below the prefix cache (disk), if any
+        sliding_window: int | None = None,  # every layer's window: free the blocks out of it (NOTE(window-blocks))
     ):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.clock = clock
         self.max_loras = max_loras
         self.adapter_ready = adapter_ready
@@ -529,7 +535,7 @@ class Scheduler:
         reserved = 0 if req.priority == Priority.P0 else sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
         if holders - len(lower) - reserved >= limit or holders - len(lower) >= self.max_num_seqs:
             return False  # every slot it may use is held by this class or a higher one
-        if need > bm.num_free_blocks + sum(len(r.block_ids) for r in lower):
+        if need > bm.num_free_blocks + sum(bm.num_held_blocks(r) for r in lower):
             return False  # even preempting every lower class would not make it fit
         # NOTE(take-from-lower): a higher class takes the slot and the blocks it
         # needs from running requests of strictly lower classes, lowest class and
@@ -590,6 +596,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+            self._free_out_of_window(req)
             if not s.samples:
                 continue
             tok, lp = sampled_token_ids[i], logprobs[i]
@@ -605,6 +612,12 @@ class Scheduler:
                 self._finish(req, status, now)
             outputs.append(self._emit(req, tok, lp))
         return outputs
+
+    def _free_out_of_window(self, req: Request) -> None:
+        """Give back the blocks no later query of ``req`` reads: its next query is at ``num_computed_tokens``
+        and sees ``sliding_window - 1`` tokens before it (NOTE(window-blocks) in the block manager)."""
+        if self.sliding_window is not None:
+            self.block_manager.free_before(req, req.num_computed_tokens - self.sliding_window + 1)
 
     def _apply_run(self, s: ScheduledRequest, run: list[int], lps: list[TokenLogprobs | None], now: float) -> EngineOutput:
         """Apply a drafting decode's step: its emitted run, token by token.
@@ -640,6 +653,7 @@ class Scheduler:
             req.timings.first_token = now
         self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
         self.block_manager.trim(req, req.num_tokens)
+        self._free_out_of_window(req)
         if status is not None:
             self._finish(req, status, now)
         return self._emit_run(req, lps[:n])

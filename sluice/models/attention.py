@@ -6,20 +6,20 @@ The engine's backends (sluice/engine/attention.py) compute plain causal
 attention over the paged cache.  A layer that needs more goes through here:
 
 - a backend that offers ``attend_ext(layer, q, k, v, window=, softcap=, scale=)``
-  runs it itself (none does yet; NOTE(window-blocks) says what the engine needs);
+  runs it itself (none does yet; it must read no block before the window, NOTE(window-read));
 - a paged backend without it (anything with ``kv`` and ``meta``): K/V are stored
   through ``kv.write`` like every other row, then each sequence's keys are read
   back with ``kv.gather`` and attended in torch, in float32, with the mask;
 - any other callable (a test's reference, the calibration model) gets the options
   as keyword arguments.
 
-NOTE(window-blocks): the window is a mask: every key stays in the cache, so a
-long sequence of gemma2/3 uses as many blocks as Llama.  Freeing the blocks
-that fall out of the window is the engine's job (its block manager owns them).
-It needs: per sequence, the oldest position any layer still reads,
-``pos - window + 1`` when every layer is sliding; with global layers interleaved
-(gemma) a second block table for the sliding layers (vLLM's hybrid allocator),
-whose out-of-window blocks go back to the pool as the sequence grows.
+NOTE(window-read): a sequence's keys are read from the first block its
+step's queries see, never before it.  Where every layer slides, the engine
+gives the blocks before the window back to the pool and leaves a placeholder
+(-1) in their table entries (NOTE(window-blocks) in
+sluice/engine/block_manager.py), so reading from that block on is what keeps
+attention off the freed ones.  With global layers interleaved (gemma2/3) every
+block stays (NOTE(window-scope) in sluice/engine/core.py).
 
 Batch invariance: each sequence is attended on its own, over its own keys in
 order, so its result does not depend on the other sequences of the step.  It
@@ -93,7 +93,7 @@ def attend(
         if window is not None:
             first = max(0, ctx - (e - s) - window + 1)
         block_size = kv.k[layer].shape[1]
-        skip = first // block_size  # whole blocks out of the window are not read
+        skip = first // block_size  # whole blocks out of the window are not read (maybe freed: NOTE(window-read))
         blocks = meta.block_tables[i, skip : meta.num_blocks_per_seq[i]].long()
         kk, vv = kv.gather(layer, blocks, ctx - skip * block_size, torch.float32)  # (ctx', Hkv, D)
         off = first - skip * block_size
