@@ -1,9 +1,8 @@
 """What the scheduler remembers between steps: TTFT targets seen, the step cycle time, and each
-class's recent peak of running requests, with the slot reservation it sets.
+class's recent peak of running requests.
 
-Each is a small piece of state or a rule, kept out of ``scheduler.py`` so that the scheduler reads as
-the step it plans, and so that its model of itself (``ttft_model``) shares the rule.  None of them
-touches requests' progress or blocks.
+Each is a small piece of state with one rule, kept out of ``scheduler.py`` so that the scheduler
+reads as the step it plans.  None of them touches requests' progress or blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from sluice.types import Priority
 
 __all__ = [
     "CycleClock", "RunningPeaks", "TargetMemory", "CYCLE_DECAY", "IDLE_GAP_S", "PEAK_DECAY_S", "TARGET_MEMORY_S",
-    "reserved_seq_limit",
 ]
 
 CYCLE_DECAY = 0.8  # per schedule(): memory of the step cycle time (NOTE(behind))
@@ -87,8 +85,3 @@ class RunningPeaks:
             counts[r.priority] += 1
         self.peaks = [max(float(n), p * decay) for n, p in zip(counts, self.peaks, strict=True)]
 
-
-def reserved_seq_limit(max_num_seqs: int, p0_peak: float) -> int:
-    """The slots a class below P0 may fill: all but P0's recent peak of running requests plus one
-    (NOTE(trunk-reservation) in ``Scheduler.seq_limit_for``); all of them with no P0 of late."""
-    return max_num_seqs if p0_peak <= 0.0 else max(1, max_num_seqs - math.ceil(p0_peak) - 1)

@@ -11,9 +11,8 @@ The wait, from the measured step time ``a + b * tokens + c * seqs`` (``step_mode
                     ``PRIORITY_WEIGHTS``; priority: every higher class; fcfs: everything), at
                     ``max_num_batched_tokens - decodes`` tokens a step; a P0 with express steps: its
                     own backlog alone, ``express_budget`` tokens a step (NOTE(express-prediction))
-    slot-bound      with every slot it may use held by its class or higher ones (P0's reserved slots
-                    aside, NOTE(trunk-reservation)), the steps until enough of them free
-                    (NOTE(slot-turnover))
+    slot-bound      with every slot it may use held by its class or higher ones, the steps until
+                    enough of them free (NOTE(slot-turnover))
 
 plus half the running step (a P0 with a free slot and mid-step express steps waits
 ``MID_STEP_WAIT_S`` instead).  Lower classes hold no slots, blocks or decode tokens against it (it takes
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 
 from sluice.engine.config import MID_STEP_POLL_S
 from sluice.engine.protocol import EngineStats
-from sluice.engine.sched_signals import reserved_seq_limit
 from sluice.types import PRIORITY_WEIGHTS, Priority
 
 __all__ = ["EngineLoad", "MID_STEP_WAIT_S", "express_request_seconds", "predict_ttft", "unloaded_ttft"]
@@ -126,17 +124,18 @@ def express_request_seconds(load: EngineLoad, num_prompt_tokens: float, num_outp
 
 def _slot_classes(c: int) -> slice:
     """The classes whose slot holders count against class ``c``'s limit: P0 for P0; 1..c for the others,
-    whose limit leaves P0's reserved slots out (NOTE(trunk-reservation))."""
+    whose limit the engine publishes less P0's holders (``Scheduler.seq_limit_for``, ``_seq_limit``)."""
     return slice(0 if c == 0 else 1, c + 1)
 
 
 def _seq_limit(load: EngineLoad, c: int) -> int:
-    """Running requests class ``c`` may be admitted up to: the engine's published limit, lowered by the P0s
-    queued since the stats as the engine's reservation will be (NOTE(trunk-reservation))."""
+    """Running requests of classes 1..c class ``c`` may be admitted up to: the engine's published limit, and
+    no more than the slots P0's holders and queued P0s leave (P0 takes a lower class's slot:
+    NOTE(take-from-lower) in the scheduler)."""
     limit = load.max_num_seqs if load.seq_limit_by_priority is None else load.seq_limit_by_priority[c]
     p0 = load.num_running_by_priority[0] + load.num_waiting_by_priority[0]
     if c > 0 and p0 > 0:
-        limit = min(limit, reserved_seq_limit(load.max_num_seqs, p0))
+        limit = min(limit, max(1, load.max_num_seqs - p0))
     return limit
 
 

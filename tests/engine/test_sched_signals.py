@@ -13,7 +13,6 @@ from sluice.engine.sched_signals import (
     CycleClock,
     RunningPeaks,
     TargetMemory,
-    reserved_seq_limit,
 )
 from sluice.types import Priority
 
@@ -54,9 +53,3 @@ def test_running_peaks_hold_then_decay() -> None:
     peaks.update(10 * PEAK_DECAY_S, reqs[:1])
     assert peaks.peaks[Priority.P0] == 1.0, "never below what runs now"
 
-
-def test_lower_classes_leave_p0s_recent_peak_plus_one_free() -> None:
-    # NOTE(trunk-reservation): one rule for the scheduler and its TTFT model
-    assert reserved_seq_limit(64, 0.0) == 64, "no P0 of late: nothing reserved"
-    assert reserved_seq_limit(64, 2.3) == 64 - 3 - 1, "a decaying peak is rounded up"
-    assert reserved_seq_limit(4, 10.0) == 1, "a lower class always keeps a slot"
