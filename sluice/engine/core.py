@@ -3,6 +3,11 @@
 Synchronous and single-threaded.  ``sluice serve`` runs it in its own process
 behind ZeroMQ; ``sluice.LLM`` drives it in-process.  It knows no exporter: it
 returns ``EngineOutput`` messages and ``make_stats()`` snapshots.
+
+Each step's token budget and kind (normal, or an express step of P0 prefills)
+come from its ``StepPlanner`` (``step_planner``), which owns the measured step
+time; the scheduler picks the requests (``scheduler``), the runner computes them
+(``model_runner``), and the scheduler applies the result.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from sluice.engine.kv_tiers.factory import make_kv_tier
 from sluice.engine.lora_manager import LoRAManager
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.protocol import (
-    STEP_KINDS,
     EngineError,
     EngineOutput,
     EngineRequest,
@@ -40,6 +44,7 @@ from sluice.engine.spec.proposer import make_proposer
 from sluice.engine.spec.speculator import Speculator
 from sluice.engine.spec_config import SpecMethod, SpeculativeConfig
 from sluice.engine.step_model import StepTimeModel
+from sluice.engine.step_planner import EXPRESS, NESTED, NORMAL, StepPlanner
 from sluice.engine.structured import (
     GrammarCompiler,
     GrammarState,
@@ -55,15 +60,6 @@ __all__ = ["EngineCore"]
 
 log = logging.getLogger("sluice.engine")
 
-STEP_SHARE = 1.0 / 3.0  # share of the tightest recent TTFT target one step may take (NOTE(step-cap))
-MIN_STEP_TOKENS = 16  # ... but a step may always batch this many prefill tokens
-MID_STEP_SHARE = 1.0 / 2.0  # STEP_SHARE while express steps start mid-step (NOTE(step-cap))
-MID_STEP_ROW_SHARE = 2.0 / 3.0  # ... of the target the rows may take while express steps start mid-step (NOTE(row-cap))
-MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slots (NOTE(row-cap))
-EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
-EXPRESS_SHARE = 0.7  # ... and while express steps took less than this share of the recent step time
-EXPRESS_DECAY = 0.97  # per step: the memory of that share (~30 steps, about a second: a burst of P0s passes)
-_NORMAL, _EXPRESS, _NESTED = range(len(STEP_KINDS))  # NOTE(step-kinds)
 
 
 class EngineCore:
@@ -114,12 +110,7 @@ class EngineCore:
         self._last_step_time = 0.0
         self._last_batched = 0
         self._last_budget = config.max_num_batched_tokens
-        self.step_model = StepTimeModel()
-        self._last_step: tuple[int, int, float, float] | None = None  # (tokens, seqs, start, end) of the previous busy step
-        self._express_time = [0.0, 0.0]  # decayed seconds of recent steps: express, all
-        self._busy = [0.0, 0.0, 0.0]  # NOTE(step-kinds): cumulative seconds by STEP_KINDS ...
-        self._tokens_by_kind = [0, 0, 0]  # ... batched tokens ...
-        self._steps_by_kind = [0, 0, 0]  # ... and steps
+        self.planner = StepPlanner(config, self.scheduler)  # each step's size and kind, the step time
         self._arrivals: Callable[[], None] | None = None  # NOTE(mid-step-express): set_arrivals()
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self._mid_step_time = 0.0  # seconds the step in flight spent in nested express steps
@@ -296,7 +287,7 @@ class EngineCore:
         if forced:
             g.accept_forced(forced)
             req.token_ids.extend(forced)
-            self.scheduler.num_jump_forward_tokens += len(forced)
+            self.scheduler.outputs.num_jump_forward_tokens += len(forced)
 
     # ------------------------------------------------------------ the step
 
@@ -310,6 +301,7 @@ class EngineCore:
         engine core process sets both; without them a P0 waits for the step in flight.
         """
         self._arrivals, self._publish = take_arrivals, publish
+        self.planner.has_arrivals = True
 
     def step(self) -> list[EngineOutput]:
         t0 = self.scheduler.clock()
@@ -319,26 +311,27 @@ class EngineCore:
         outputs += self._fail_lora_waiters()
         outputs += self._start_grammars()
         target = self.scheduler.tightest_ttft_target()  # NOTE(target-memory): one look a step
-        self.scheduler.row_cap = self._row_cap(target)
-        budget = self._token_budget(target)
-        express = self._express(budget)
+        planner = self.planner
+        self.scheduler.row_cap = planner.row_cap(target)
+        budget = planner.token_budget(target)
+        express = planner.is_express(budget)
         if self.speculator is not None:  # NOTE(adaptive-k): drafts per running decode (an express step takes none)
             self.speculator.plan(self.scheduler, self.step_model)
-        sched = self.scheduler.schedule(self._express_budget(budget) if express else budget, express)
+        sched = self.scheduler.schedule(planner.express_budget(budget) if express else budget, express)
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
             express = False
             sched = self.scheduler.schedule(budget)
         if not sched.is_empty:
             self._mid_step_time, self._step_budget = 0.0, budget
-            outputs += self._run(sched, self._mid_step if self._mid_step_on and not express else None)
+            outputs += self._run(sched, self._mid_step if planner.mid_step and not express else None)
             self._last_batched = sched.num_batched_tokens
             self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = self.scheduler.clock()
             if self._mid_step_time:  # the step's own time: the nested steps were observed on their own
                 t0 += self._mid_step_time
             self._last_step_time = t1 - t0
-            self._observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
-            self._count_step(_EXPRESS if express else _NORMAL, t1 - t0, sched.num_batched_tokens)
+            planner.observe_step(sched.num_batched_tokens, len(sched.scheduled), t0, t1)
+            planner.count_step(EXPRESS if express else NORMAL, t1 - t0, sched.num_batched_tokens)
         elif self.kv_tiers is not None and self.scheduler.loading:
             self.kv_tiers.wait_any(0.005)  # only loads in flight: wait for one instead of spinning
         elif self.lora.has_pending_loads:
@@ -372,48 +365,24 @@ class EngineCore:
                 if self.speculator is not None:
                     self.speculator.forget([out.request_id])
 
-    def _count_step(self, kind: int, seconds: float, num_tokens: int) -> None:
-        """Count one step's time and tokens: the totals by kind, and the decayed express share.
-
-        NOTE(step-kinds): each second of the engine's steps is counted once, in
-        the kind of step it went to (``STEP_KINDS``): a normal step, an express
-        step taken at a step boundary, or one nested in a normal step between two
-        of its layers (NOTE(mid-step-express)), whose time the normal step's leaves
-        out.  A step's time runs from the start of its planning to the end of its
-        outputs (a nested step's from its run: its planning falls in the normal
-        step's).  The stats carry the totals and ``/metrics`` exports them
-        (``sluice_engine_busy_seconds``, ``sluice_engine_batched_tokens_by_kind``,
-        ``sluice_engine_steps_by_kind``, by ``kind``): their rates show what share
-        of the engine P0's express steps take under load, and what a batched
-        token costs in each kind of step (``benchmarks/overload_repeat.py``
-        reports both per run; docs/benchmarks.md has the figures).
-        """
-        self._busy[kind] += seconds
-        self._tokens_by_kind[kind] += num_tokens
-        self._steps_by_kind[kind] += 1
-        share = self._express_time  # EXPRESS_SHARE bounds the express part of the recent time
-        share[0] = share[0] * EXPRESS_DECAY + (seconds if kind != _NORMAL else 0.0)
-        share[1] = share[1] * EXPRESS_DECAY + seconds
-
     @property
-    def _num_steps(self) -> int:
-        """Steps run, not counting the express steps nested in them."""
-        return self._steps_by_kind[_NORMAL] + self._steps_by_kind[_EXPRESS]
+    def step_model(self) -> StepTimeModel:
+        """The measured step time (the planner's; the speculator's adaptive k reads it too)."""
+        return self.planner.step_model
+
+    @step_model.setter
+    def step_model(self, model: StepTimeModel) -> None:
+        self.planner.step_model = model
 
     @property
     def num_express_steps(self) -> int:
         """Express steps run, at step boundaries and nested (NOTE(express-step))."""
-        return self._steps_by_kind[_EXPRESS] + self._steps_by_kind[_NESTED]
+        return self.planner.num_express_steps
 
     @property
     def num_mid_step_express(self) -> int:
         """Express steps run between two layers of another step (NOTE(mid-step-express))."""
-        return self._steps_by_kind[_NESTED]
-
-    @property
-    def _mid_step_on(self) -> bool:
-        """Express steps may start mid-step: on in the config, and the engine core process took input hooks."""
-        return self._arrivals is not None and self.config.express_steps and self.config.express_mid_step
+        return self.planner.num_mid_step_express
 
     def _mid_step(self, layer: int) -> bool:
         """Between two layers of a normal step: start waiting P0s now, in an express step of their own.
@@ -438,9 +407,9 @@ class EngineCore:
         assert self._arrivals is not None and self._publish is not None
         self._arrivals()
         budget = self._step_budget
-        if self.scheduler.waiting.head(Priority.P0) is None or not self._express_share_left():
+        if self.scheduler.waiting.head(Priority.P0) is None or not self.planner.express_share_left():
             return False
-        sched = self.scheduler.schedule(self._express_budget(budget), nested=True)
+        sched = self.scheduler.schedule(self.planner.express_budget(budget), nested=True)
         if sched.is_empty:
             return False
         t0 = self.scheduler.clock()
@@ -448,164 +417,10 @@ class EngineCore:
         t1 = self.scheduler.clock()
         self.step_model.observe(sched.num_batched_tokens, t1 - t0, len(sched.scheduled))
         self._mid_step_time += t1 - t0
-        self._count_step(_NESTED, t1 - t0, sched.num_batched_tokens)
+        self.planner.count_step(NESTED, t1 - t0, sched.num_batched_tokens)
         self._release_finished(outputs)
         self._publish(outputs)
         return True
-
-    def _token_budget(self, target: float | None) -> int | None:
-        """The step's token budget: ``max_num_batched_tokens``, or less while tight TTFT targets are about
-        (``target``: ``Scheduler.tightest_ttft_target()``).
-
-        NOTE(step-cap): a request arriving mid-step waits for that step to end,
-        then for its own prefill step (an express step for P0, NOTE(express-step)
-        in the scheduler).  While requests with a TTFT target have come in
-        recently, a step's prefill tokens are bounded so that the step takes
-        ``STEP_SHARE`` of the tightest target (by the measured step time), never
-        fewer than ``MIN_STEP_TOKENS``: a P0 arriving into a full 512-token step
-        on a CPU would otherwise wait most of a second for it.  Every running
-        decode stays in the budget: bounding the decodes (the slots) would make
-        requests wait for slots instead.  Throughput pays a little (the
-        per-step fixed cost comes more often).  While express steps start
-        mid-step (NOTE(mid-step-express)) a P0 does not wait out the running
-        step, and the step may take ``MID_STEP_SHARE`` of the target instead.
-        With a third, the running decodes alone took most of it, each step
-        batched little more than the ``MIN_STEP_TOKENS`` floor of prefill (about
-        one prompt), and at 1x load the lower classes' prompts queued for it: on
-        a 2-core Sapphire Rapids 95% of the 1x steps used their whole budget,
-        which was the running requests plus 24 tokens or fewer in nine steps of
-        ten, with 38 requests waiting on average.
-        With a half, 1x goodput was 5% higher (means of 8 runs, 58.5 against
-        55.5 req/s), 3x the same (47.5 against 46.9, P0 99.8% against 99.6%);
-        two thirds gave 1x +7% but P0 99.1% against 99.6% at 3x
-        (docs/benchmarks.md, "The step cap while express steps start mid-step").
-        """
-        model = self.step_model
-        if target is None or model.per_token <= 0.0:
-            return None
-        decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
-        fixed = model.predict(decodes, decodes + 1)  # every decode, and a prefilling sequence
-        share = MID_STEP_SHARE if self._mid_step_on else STEP_SHARE
-        prefill = max(MIN_STEP_TOKENS, int((share * target - fixed) / model.per_token))
-        return min(self.config.max_num_batched_tokens, decodes + prefill)
-
-    def _row_cap(self, target: float | None) -> int | None:
-        """Rows a step may carry for the classes below P0 while tight TTFT targets are about (None: no cap;
-        ``target``: ``Scheduler.tightest_ttft_target()``).
-
-        NOTE(row-cap): the step cap bounds a step's prefill tokens, but the
-        running decodes are the rest of the step, one row each, and on a CPU a
-        decode row costs about what a prefill token does (the GEMMs are
-        compute-bound past a few rows: SmolLM2 on 2 cores, ~4 ms + 0.75 ms a row).
-        64 running decodes make a 50-75 ms step that a P0 arriving mid-step
-        waits out before its own.  So the slots of the classes below P0 are
-        bounded too: with ``MIN_STEP_TOKENS`` of prefill, the decode rows that fit
-        ``STEP_SHARE`` of the tightest target, never fewer than ``MIN_STEP_ROWS``
-        (``Scheduler.seq_limit_for``: the cap less P0's running requests).  P0
-        keeps every slot.  Throughput pays for the smaller batches (~10% at 26
-        rows against 64 on that machine); the lower classes wait for slots
-        instead, which the admission's slot-turnover prediction sees (the stats
-        report the limits), so what cannot meet its target is refused at once.
-        While express steps start mid-step (NOTE(mid-step-express)) a P0 does not
-        wait out the running step, only the engine's next look at its input: the
-        rows then fit ``MID_STEP_ROW_SHARE`` of the target, so that a P0 that
-        cannot be nested (no free slot, the express share spent) still finds the
-        step over well within it.  With a third, P0 held 12-22 of ~26 rows at 3x
-        load and P1 got 1-8 slots; with two thirds (two full overload runs on one
-        machine), P1 served within target went from 3.2 to 5.7 req/s at 3x, goodput
-        from 22.7 to 27.9 req/s (at 1x from 26.1 to 35.0), and P0 kept 99.1%.
-        """
-        model = self.step_model
-        if target is None or model.per_token <= 0.0:
-            return None
-        share = MID_STEP_ROW_SHARE if self._mid_step_on else STEP_SHARE
-        room = share * target - model.predict(MIN_STEP_TOKENS, 1)
-        per_row = model.per_token + model.per_seq
-        return max(MIN_STEP_ROWS, int(room / per_row))
-
-    def _express(self, budget: int | None) -> bool:
-        """Whether the next step runs P0's pending prefills alone (the scheduler's NOTE(express-step)).
-
-        Only when a normal step (every running decode next to those prefills)
-        would take ``EXPRESS_GAIN`` times as long as the prefills alone, by the
-        measured step time, or could not hold them next to every decode within
-        the bounded budget (the P0s would wait two steps), and while express
-        steps took under ``EXPRESS_SHARE`` of the recent step time: the other
-        classes' decodes keep at least the rest of the engine's time.
-        """
-        model = self.step_model
-        if not self._express_share_left():
-            return False
-        seqs, tokens = self.scheduler.urgent_prefill()
-        if seqs == 0:
-            return False
-        tokens = min(tokens, self._express_budget(budget))
-        decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
-        alone = model.predict(tokens, seqs)
-        if budget is not None and tokens + decodes > budget:
-            return True  # a normal step would not hold every decode and this prefill: P0 would wait two steps
-        normal = model.predict(tokens + decodes, seqs + decodes)
-        return normal > EXPRESS_GAIN * alone
-
-    def _express_share_left(self) -> bool:
-        """Express steps are on, the step time is measured, and they took under ``EXPRESS_SHARE`` of the recent time."""
-        express, total = self._express_time
-        return self.config.express_steps and self.step_model.per_token > 0.0 and express <= EXPRESS_SHARE * total
-
-    def _express_budget(self, budget: int | None) -> int:
-        """An express step's tokens: twice the bounded budget (several P0 prompts in one step, not
-        chunked over two), at most ``max_num_batched_tokens``, and no more than the P0s it can take
-        by their deadlines (NOTE(express-deadline))."""
-        cap = self.config.max_num_batched_tokens
-        cap = cap if budget is None else min(cap, 2 * budget)
-        return min(cap, self._deadline_tokens(cap))
-
-    def _deadline_tokens(self, cap: int) -> int:
-        """The P0 prefill tokens one express step takes before it would make an on-time P0 late.
-
-        NOTE(express-deadline): one express step serves a burst of P0s together,
-        and each of them gets its first token when the whole step ends.  Where a
-        step's fixed cost dominates (AMX: one token 6.8 ms, 13 tokens 10.2 ms on
-        a 2-core Sapphire Rapids) that is the cheapest way to serve them.  Where
-        the GEMMs are compute-bound (AVX2: one token 7.6 ms, 13 tokens 22 ms on a
-        2-core EPYC) a step's time grows with every prompt in it: at 5x load one
-        express step of five 14-token P0s took 122 ms, and all five missed a
-        104 ms target that the first two or three would have met in a step of
-        their own.  So an express step takes P0's prefills in the order it
-        serves them (oldest first) only while, by the step-time model, it still
-        ends by the earliest deadline (arrival + TTFT target) among those it
-        would serve on time; the rest go to the next express step.  A P0 already
-        past saving bounds nothing, and the first P0 is always taken.  Returns
-        ``cap`` when everything waiting fits.
-        """
-        model = self.step_model
-        now = self.scheduler.clock()
-        tokens = seqs = 0
-        earliest = float("inf")  # the earliest deadline among the P0s the step so far serves on time
-        for r, n in self.scheduler.p0_prefills():
-            end = now + model.predict(tokens + n, seqs + 1)
-            if seqs and end > earliest:
-                return min(cap, tokens)
-            tokens, seqs = tokens + n, seqs + 1
-            if tokens >= cap:
-                break
-            deadline = r.timings.arrival + r.ttft_target
-            if r.ttft_target > 0.0 and end <= deadline:
-                earliest = min(earliest, deadline)
-        return cap
-
-    def _observe_step(self, num_tokens: int, num_seqs: int, start: float, end: float) -> None:
-        """Feed the step-time model one step late, so back-to-back steps include the loop's own overhead.
-
-        NOTE(cycle-time): what a waiting request sees is the time from one step's
-        start to the next one's (publishing outputs, reading input included);
-        a gap over 10 ms means the loop idled, and then only the step itself counts.
-        """
-        prev = self._last_step
-        if prev is not None:
-            n, q, s, e = prev
-            self.step_model.observe(n, start - s if start - e < 0.01 else e - s, q)
-        self._last_step = (num_tokens, num_seqs, start, end)
 
     def _sampling_rows(self, sched: SchedulerOutput) -> list[SamplingRow]:
         rows = []
@@ -660,7 +475,7 @@ class EngineCore:
     # ------------------------------------------------------------ stats
 
     def make_stats(self) -> EngineStats:
-        bm, sch = self.block_manager, self.scheduler
+        bm, sch, planner = self.block_manager, self.scheduler, self.planner
         pool = self.runner.pool_waits()
         running = [0, 0, 0]
         prefill_tokens = [0, 0, 0]
@@ -684,13 +499,13 @@ class EngineCore:
             prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits,
             num_preemptions=sch.num_preemptions,
-            num_steps=self._num_steps,
+            num_steps=planner.num_steps,
             step_time=self._last_step_time,
             num_batched_tokens=self._last_batched,
-            num_batched_tokens_total=sum(self._tokens_by_kind),  # every step's, nested ones too
-            busy_seconds_by_kind=list(self._busy),
-            batched_tokens_by_kind=list(self._tokens_by_kind),
-            steps_by_kind=list(self._steps_by_kind),
+            num_batched_tokens_total=sum(planner.tokens_by_kind),  # every step's, nested ones too
+            busy_seconds_by_kind=list(planner.busy_by_kind),
+            batched_tokens_by_kind=list(planner.tokens_by_kind),
+            steps_by_kind=list(planner.steps_by_kind),
             pool_wait_seconds=pool.wait_seconds,
             pool_stalls=pool.stalls,
             pool_stall_seconds=pool.stall_seconds,
@@ -701,8 +516,8 @@ class EngineCore:
             step_time_per_token=self.step_model.per_token,
             step_time_per_seq=self.step_model.per_seq,
             max_num_batched_tokens=self._last_budget,
-            express_budget=self._express_budget(self._last_budget) if self.config.express_steps else 0,
-            express_mid_step=self._mid_step_on,
+            express_budget=planner.express_budget(self._last_budget) if self.config.express_steps else 0,
+            express_mid_step=planner.mid_step,
             max_num_seqs=sch.max_num_seqs,
             seq_limit_by_priority=[sch.seq_limit_for(p) for p in range(3)],
             running_slots=[[r.priority, r.num_output_tokens, max(1, r.sampling.max_tokens - r.num_output_tokens)]
@@ -738,8 +553,8 @@ class EngineCore:
             structured_mask_seconds=c.mask_seconds,
             structured_mask_wait_seconds=c.mask_wait_seconds,
             structured_mask_buckets=list(c.mask_buckets),
-            structured_tokens=sch.num_structured_tokens,
-            jump_forward_tokens=sch.num_jump_forward_tokens,
+            structured_tokens=sch.outputs.num_structured_tokens,
+            jump_forward_tokens=sch.outputs.num_jump_forward_tokens,
         )
 
 

@@ -23,33 +23,23 @@ classes, lowest class and newest first:
     budget   a class facing an exhausted budget un-schedules lower classes'
              decodes for this step (``priority`` and ``wfq``; not ``fcfs``)
 
-LoRA adapters (NOTE(lora-admission)): a waiting request whose adapter is not
-in memory yet, or would be one more than ``max_loras`` distinct adapters among
-the running requests, is set aside for this step (it keeps its place in its
-class) and the requests behind it are admitted; a step's requests are laid out
-grouped by adapter (NOTE(lora-rows)).
-
-With a KV tier (``kv_tiers``), a waiting request's prefix may continue past
-the memory hits with blocks the tier holds: they are reserved and loaded in
-the background while the request sits in ``loading`` (it holds a slot and
-its blocks, and computes nothing); each step it moves on to ``running`` when
-its own loads are done, or back to the front of its queue to recompute when
-one failed.  Other requests run meanwhile.
+A waiting request whose LoRA adapter is not in memory yet, or past ``max_loras``
+(NOTE(lora-admission)), or whose grammar still compiles (NOTE(grammar-wait)), is
+set aside for this step and keeps its place.  With a KV tier (``kv_tiers``) a
+request whose prefix continues in the tier waits in ``loading`` (a slot and its
+blocks, nothing computed) until its loads are done, or recomputes if one failed.
 
 Preemption is by recompute: the victim's blocks are freed and it goes back to
-the front of its class's queue; it resumes later and produces the same tokens.
-A running request that needs a block when none is free preempts the lowest
-class, newest request (maybe itself).  A higher class is never preempted to
-make room for a lower one.
+the front of its class's queue, to produce the same tokens later.  A running
+request that needs a block when none is free preempts the lowest class, newest
+request (maybe itself); a higher class is never preempted for a lower one.
 
-After the model ran, ``update_from_output`` applies the step: it advances
-each request's progress (``num_computed_tokens``: only the scheduler writes
-it), registers newly full blocks with the block manager, appends the sampled
-tokens and finishes the requests that hit a stop token, ``max_tokens`` or the
-context window; for a model whose every layer has a sliding window, it also
-gives back the blocks that fell out of it (NOTE(window-blocks) in the block
-manager).  ``finish_requests`` finishes others (aborts).  Both return
-the ``EngineOutput`` messages, built in one place (``_make_output``).
+After the model ran, ``update_from_output`` applies the step: progress
+(``num_computed_tokens``: only the scheduler writes it), newly full blocks to
+the prefix cache, blocks out of a sliding window back to the pool
+(NOTE(window-blocks) in the block manager), the sampled tokens.  The stop rules
+and the ``EngineOutput`` messages are ``outputs.OutputMaker``'s; the step's plan
+is a ``SchedulerOutput`` (``sched_output``).  ``finish_requests`` ends others (aborts).
 """
 
 from __future__ import annotations
@@ -64,48 +54,18 @@ from dataclasses import dataclass, field
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import SchedulingPolicy
 from sluice.engine.kv_tiers.connector import KVTierConnector, LoadState
-from sluice.engine.protocol import EngineError, EngineOutput, TokenLogprobs
+from sluice.engine.outputs import OutputMaker, make_output
+from sluice.engine.protocol import EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.request_queue import make_request_queue
+from sluice.engine.sched_output import ScheduledRequest, SchedulerOutput
 from sluice.engine.sched_signals import TARGET_MEMORY_S, CycleClock, RunningPeaks, TargetMemory
-from sluice.errors import InvalidRequestError
 from sluice.types import Priority
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION", "TARGET_MEMORY_S"]
 
 BEHIND_FRACTION = 0.5  # share of its TTFT target after which a waiting request's class goes first
 BEHIND_STEPS = 2.0  # ... or once what is left of its target is less than this many step cycles (NOTE(behind))
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens (drafts included)
-    samples: bool = field(init=False)  # a token is sampled: the chunk reaches the last known token
-    is_prefill: bool = field(init=False)  # not a one-token decode
-    num_spec: int = field(init=False)  # of num_new_tokens, draft slots after its known tokens (speculation)
-    spec_token_ids: list[int] = field(init=False, default_factory=list)  # the drafts (the engine's Speculator)
-
-    def __post_init__(self) -> None:
-        req = self.request
-        self.samples = req.num_computed_tokens + self.num_new_tokens >= req.num_tokens
-        self.num_spec = max(0, req.num_computed_tokens + self.num_new_tokens - req.num_tokens)
-        # a decode computes its newest token, and the ones jump-forward appended after it (and its drafts)
-        self.is_prefill = not (req.is_prefill_done and self.num_new_tokens - self.num_spec <= 1 + req.num_forced_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    token_budget: int = 0  # this step's budget (max_num_batched_tokens, or less to bound the step's time)
-    express: bool = False  # only P0 prefills, no decodes (NOTE(express-step))
-    prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -148,7 +108,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.outputs = OutputMaker(eos_token_ids, max_model_len)  # stop rules, jump-forward, the messages
         self.requests: dict[str, Request] = {}  # request_id -> every unfinished request
         self.waiting = make_request_queue(policy)
         self.shares_slots = SchedulingPolicy(policy) is SchedulingPolicy.WFQ  # NOTE(take-when-needed)
@@ -156,14 +116,21 @@ class Scheduler:
         self.kv_tiers = kv_tiers
         self.loading: list[Request] = []  # admitted, waiting for their KV blocks from a tier
         self.num_preemptions = 0
-        self.num_structured_tokens = 0  # output tokens of constrained requests (sampled and forced)
-        self.num_jump_forward_tokens = 0  # ... of them appended by jump-forward (NOTE(jump-forward))
         self._targets = TargetMemory()  # NOTE(target-memory)
         self._peaks = RunningPeaks(self.clock())  # NOTE(trunk-reservation)
         self._cycle = CycleClock()  # NOTE(behind)
         # rows a step may carry for the classes below P0 while tight targets are about (set by the
         # engine each step from its step time, NOTE(row-cap) in EngineCore); None: max_num_seqs
         self.row_cap: int | None = None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end a request unless it asks ignore_eos (its output maker's)."""
+        return self.outputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Sequence[int]) -> None:
+        self.outputs.eos_token_ids = tuple(ids)
 
     @property
     def cycle_time(self) -> float:
@@ -190,7 +157,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, status, self.clock())
-                outputs.append(self._make_output(req, []))
+                outputs.append(make_output(req, []))
         return outputs
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
@@ -241,14 +208,11 @@ class Scheduler:
         """Whether ``req`` may preempt running requests of lower classes for a slot or blocks.
 
         NOTE(take-when-needed): P0 always may (its slots are kept free for it,
-        NOTE(trunk-reservation), so it preempts only past its recent peak), and so
-        may a request with no TTFT target (class order is all it has), and any
-        request under ``priority`` and ``fcfs`` (no shares to keep).  Under
-        ``wfq`` a P1 with a target takes from P2 only once it is behind it
-        (NOTE(behind)): until then a slot that frees goes by the WFQ shares, as
-        the issue's "WFQ shares apply among classes that are all within target" asks.
-        Taking earlier threw the victims' work away and, under a P1 backlog, left
-        P2 no share at all (docs/benchmarks.md, "TTFT prediction error").
+        NOTE(trunk-reservation)), and so may a request with no TTFT target and any
+        request under ``priority`` and ``fcfs``.  Under ``wfq`` a P1 with a target
+        takes from P2 only once it is behind it (NOTE(behind)): until then a slot
+        that frees goes by the WFQ shares.  Taking earlier threw the victims' work
+        away and left P2 no share under a P1 backlog (docs/design/overload.md).
         """
         if req.priority == Priority.P0 or req.ttft_target <= 0.0 or not self.shares_slots:
             return True
@@ -301,13 +265,10 @@ class Scheduler:
                 self.waiting.prepend(req)
 
     def _is_behind(self, req: Request | None, now: float) -> bool:
-        # NOTE(behind): a request is behind once it has used half of its TTFT
-        # target without a first token, or once what is left of the target is
-        # less than BEHIND_STEPS step cycles (it cannot afford to be passed over
-        # for one more step): from then on its class goes first, so the rest is
-        # left for its own prefill and a step of noise.  The second rule is the
-        # one that holds a tight target: a P0 with 100 ms among 35 ms steps is
-        # behind when it arrives, so no lower class's prefill takes its tokens.
+        # NOTE(behind): a request is behind once it has used half of its TTFT target without a
+        # first token, or once what is left of it is less than BEHIND_STEPS step cycles (it cannot
+        # be passed over for one more step): from then on its class goes first.  The second rule
+        # holds a target only a few steps long: such a request is behind when it arrives.
         if req is None or req.ttft_target <= 0.0 or req.timings.first_token is not None:
             return False
         waited = now - req.timings.arrival
@@ -316,16 +277,13 @@ class Scheduler:
     def seq_limit_for(self, priority: int) -> int:
         """Running requests class ``priority`` may be admitted up to: the slots not reserved for higher classes.
 
-        NOTE(trunk-reservation): preempting a lower class to give a slot to a
-        higher one throws away the victim's work (recompute).  So P0's recent
-        peak of running requests, plus one, is kept free of lower-class
-        admissions; a P0 then finds a free slot and preempts only when it
-        bursts past its recent peak.  Only the top class is reserved for: P1 and
-        P2 share the rest by WFQ.  With no P0 traffic of late nothing is reserved.
-        The limit of a lower class counts the holders of classes other than P0
-        (P0's own running requests sit in the reserved slots), under the total
-        ``max_num_seqs``.  While the engine bounds its steps (``row_cap``), the
-        lower classes also fill at most the cap's rows beside P0's running requests.
+        NOTE(trunk-reservation): preempting a lower class for a higher one throws
+        the victim's work away (recompute).  So P0's recent peak of running
+        requests, plus one, is kept free of lower-class admissions: a P0 then
+        preempts only when it bursts past that peak.  P1 and P2 share the rest by
+        WFQ; with no recent P0 nothing is reserved.  A lower class's limit counts
+        the holders of classes other than P0, under ``max_num_seqs``, and while the
+        engine bounds its steps (``row_cap``) at most the cap's rows beside P0's.
         """
         if priority == Priority.P0:
             return self.max_num_seqs
@@ -370,20 +328,16 @@ class Scheduler:
     def schedule(self, token_budget: int | None = None, express: bool = False, nested: bool = False) -> SchedulerOutput:
         """Plan one step of at most ``token_budget`` tokens (default and cap: ``max_num_batched_tokens``).
 
-        NOTE(express-step): ``express`` plans a step of P0 prefills only (waiting
-        P0 requests and running P0 chunked prefills), no decodes.  A P0 arriving
-        while a step runs otherwise waits for that step and then for a full step
-        of every running decode next to its prefill; in an express step its
-        prefill runs alone, so its TTFT is the rest of the running step plus a
-        short one.  The engine asks for it (``EngineCore``) while express steps
-        took under half of the recent step time.
+        NOTE(express-step): ``express`` plans P0's prefills only (waiting, and
+        running chunked ones), no decodes: a P0 arriving mid-step then waits for
+        the rest of that step and a short one, not for a full step of every
+        running decode beside its prefill.  The engine's ``StepPlanner`` says when.
 
-        NOTE(mid-step-express): ``nested`` plans an express step to run between
-        two layers of a step in flight (``EngineCore``): every running request
-        may be in that step, so it starts waiting P0 requests only (no running
-        chunked prefill), in free slots and free blocks only (no preemption,
-        no budget taken), and leaves the cycle statistics and the KV tier's
-        loaded requests to the next normal plan.
+        NOTE(mid-step-express): ``nested`` plans an express step to run between two
+        layers of a step in flight: every running request may be in that step, so
+        it starts waiting P0s only, in free slots and blocks (no preemption, no
+        budget taken), and leaves the cycle statistics and the KV tier's loaded
+        requests to the next normal plan.
         """
         express = express or nested
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
@@ -605,12 +559,12 @@ class Scheduler:
             req.num_forced_tokens = 0
             if req.timings.first_token is None:
                 req.timings.first_token = now
-            status = self._check_stop(req, tok)
+            status = self.outputs.stop_status(req, tok)
             if req.grammar is not None and status is not RequestStatus.FINISHED_STOPPED:
-                status = self._advance_grammar(req, tok)  # a complete grammar says "stop" even at max_tokens
+                status = self.outputs.advance_grammar(req, tok)  # a complete grammar says "stop" even at max_tokens
             if status is not None:
                 self._finish(req, status, now)
-            outputs.append(self._emit(req, tok, lp))
+            outputs.append(self.outputs.emit(req, tok, lp))
         return outputs
 
     def _free_out_of_window(self, req: Request) -> None:
@@ -631,23 +585,7 @@ class Scheduler:
         """
         req = s.request
         computed = req.num_computed_tokens + s.num_new_tokens - s.num_spec + len(run) - 1
-        status = None
-        n = 0
-        for tok in run:
-            req.token_ids.append(tok)
-            n += 1
-            status = self._check_stop(req, tok)
-            g = req.grammar
-            if g is not None and status is not RequestStatus.FINISHED_STOPPED:
-                if n == len(run):  # the run's last token: what the grammar forces next is appended (jump-forward)
-                    status = self._advance_grammar(req, tok)
-                elif not g.accept(tok):  # never: the drafts were validated and every row masked
-                    req.error = _grammar_error(f"the grammar refused token {tok}: {g.error or 'no reason given'}")
-                    status = RequestStatus.FINISHED_ABORTED
-                elif g.is_done:
-                    status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                break
+        n, status = self.outputs.run_status(req, run)
         req.num_computed_tokens = min(computed, req.num_tokens - 1)
         if req.timings.first_token is None:
             req.timings.first_token = now
@@ -656,107 +594,4 @@ class Scheduler:
         self._free_out_of_window(req)
         if status is not None:
             self._finish(req, status, now)
-        return self._emit_run(req, lps[:n])
-
-    def _emit_run(self, req: Request, lps: list[TokenLogprobs | None]) -> EngineOutput:
-        """The output of an emitted run (and of the tokens jump-forward appended after it: logprob 0)."""
-        new = req.token_ids[req.num_prompt_tokens + req.num_emitted :]
-        req.num_emitted = req.num_output_tokens
-        if req.grammar is not None:
-            self.num_structured_tokens += len(new)
-        kept = [lp for lp in lps if lp is not None]
-        if not kept or len(kept) != len(lps):
-            return self._make_output(req, new, None)
-        k = req.sampling.logprobs or 0
-        kept += [TokenLogprobs(t, 0.0, [(t, 0.0)] if k > 0 else []) for t in new[len(kept) :]]
-        return self._make_output(req, new, kept)
-
-    def _advance_grammar(self, req: Request, tok: int) -> RequestStatus | None:
-        """Feed a sampled token to the request's grammar; append what it forces next (jump-forward).
-
-        NOTE(jump-forward): where the grammar admits exactly one continuation (``{"name": "`` of a
-        schema), its tokens, as llguidance tokenizes them canonically, are appended at once, up to
-        ``max_tokens``: they are output tokens, published with the sampled one, and the next step
-        computes them with it as one chunk of several query tokens instead of a decode step each.
-        With jump-forward off, the mask allows only the first of those tokens each step, so the
-        tokens are the same either way; jump-forward saves the steps (docs/structured_outputs.md).
-        """
-        g = req.grammar
-        assert g is not None
-        if not g.accept(tok):
-            req.error = _grammar_error(f"the grammar refused token {tok}: {g.error or 'no reason given'}")
-            return RequestStatus.FINISHED_ABORTED
-        if g.is_done:  # complete: nothing but EOS may follow
-            return RequestStatus.FINISHED_STOPPED
-        if not g.jump_forward:
-            return None
-        sp = req.sampling
-        room = sp.max_tokens - req.num_output_tokens
-        if self.max_model_len is not None:
-            room = min(room, self.max_model_len - req.num_tokens)
-        forced = g.forced()[: max(0, room)]
-        if forced:
-            g.accept_forced(forced)
-            req.token_ids.extend(forced)
-            req.num_forced_tokens = len(forced)
-            self.num_jump_forward_tokens += len(forced)
-            if g.is_done:
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or (self.max_model_len is not None and req.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _emit(self, req: Request, tok: int, lp: TokenLogprobs | None) -> EngineOutput:
-        """The output of a sampled token ``tok``: with the tokens jump-forward put before and after it."""
-        start = req.num_prompt_tokens + req.num_emitted
-        new = req.token_ids[start:]
-        req.num_emitted = req.num_output_tokens
-        if req.grammar is not None:
-            self.num_structured_tokens += len(new)
-        if len(new) == 1:
-            return self._make_output(req, new, [lp] if lp is not None else None)
-        lps = None
-        if lp is not None:  # a forced token is the only one its masked distribution allows: logprob 0
-            at = len(new) - 1 - req.num_forced_tokens  # the sampled token, before the forced ones after it
-            k = req.sampling.logprobs or 0
-            lps = [lp if j == at else TokenLogprobs(t, 0.0, [(t, 0.0)] if k > 0 else []) for j, t in enumerate(new)]
-        return self._make_output(req, new, lps)
-
-    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
-        sp = req.sampling
-        n_out = req.num_output_tokens
-        is_stop = (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids
-        if n_out >= sp.min_tokens and is_stop:
-            req.stop_token_id = tok
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= sp.max_tokens or (self.max_model_len is not None and req.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    @staticmethod
-    def _make_output(
-        req: Request, new_token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
-    ) -> EngineOutput:
-        out = EngineOutput(
-            request_id=req.request_id,
-            new_token_ids=new_token_ids,
-            logprobs=logprobs,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            num_generated_tokens=req.num_output_tokens,
-            num_preemptions=req.num_preemptions,
-        )
-        if req.error is not None:
-            out.error = req.error
-        if req.status.is_finished:
-            out.finished = True
-            out.finish_reason = req.status.finish_reason
-            out.stop_token_id = req.stop_token_id
-            out.timings = req.timings
-        elif new_token_ids and req.num_output_tokens == len(new_token_ids):
-            out.timings = req.timings  # the first token(s; with the ones jump-forward put first): stage timings so far
-        return out
-
-
-def _grammar_error(message: str) -> EngineError:
-    return EngineError.from_exception(InvalidRequestError(message, param="structured_outputs"))
+        return self.outputs.emit_run(req, lps[:n])

@@ -12,6 +12,7 @@ import sluice.engine.core as core
 from sluice.engine.core import EngineCore
 from sluice.engine.protocol import EngineOutput, EngineRequest, SamplingParams
 from sluice.engine.step_model import StepTimeModel
+from sluice.engine.step_planner import EXPRESS_GAIN
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 P2_PROMPTS = {f"p2-{i}": [300 + 7 * i + j for j in range(9 + 3 * i)] for i in range(6)}
@@ -77,7 +78,7 @@ def test_a_p0_arriving_mid_step_gets_its_first_token_before_the_step_ends(
         for rid in arrivals.pop() if arrivals else []:
             engine.add_request(_p0(rid))
 
-    engine.set_arrivals(take_arrivals, lambda outs: published.append((engine._num_steps, outs)))
+    engine.set_arrivals(take_arrivals, lambda outs: published.append((engine.planner.num_steps, outs)))
     free_before = engine.block_manager.num_free_blocks
     tokens_before = engine.make_stats().num_batched_tokens_total
     step_outs = engine.step()
@@ -114,12 +115,12 @@ def test_no_nested_step_without_a_waiting_p0_or_past_the_express_share(
     engine.set_arrivals(lambda: None, published.append)
     engine.step()
     assert engine.num_mid_step_express == 0 and not published, "no P0 waiting: the step runs through"
-    engine._express_time = [0.75, 1.0]  # express steps took 75% of the recent time (EXPRESS_SHARE)
+    engine.planner.express_time = [0.75, 1.0]  # express steps took 75% of the recent time (EXPRESS_SHARE)
     engine.set_arrivals(lambda: engine.add_request(_p0("p0-a")) if not engine.scheduler.requests.get("p0-a") else None,
                         published.append)  # fmt: skip
     engine.step()
     assert engine.num_mid_step_express == 0 and not published, "express steps took their share: the P0 waits for the step"
-    engine._express_time = [0.0, 1.0]
+    engine.planner.express_time = [0.0, 1.0]
     outs = engine.step()
     assert "p0-a" in {o.request_id for o in outs}, "at the next step boundary it starts as usual"
 
@@ -150,7 +151,7 @@ def test_mid_step_the_p0_nests_even_where_a_boundary_would_give_it_a_normal_step
     engine.step()
     _known_rates(engine)
     m, n = engine.step_model, len(P0_PROMPTS["p0-a"])
-    assert m.predict(n + 1, 2) <= core.EXPRESS_GAIN * m.predict(n, 1), "at a boundary: a normal step (one decode beside it)"
+    assert m.predict(n + 1, 2) <= EXPRESS_GAIN * m.predict(n, 1), "at a boundary: a normal step (one decode beside it)"
     published: list[list[EngineOutput]] = []
     engine.set_arrivals(lambda: engine.add_request(_p0("p0-a")) if "p0-a" not in engine.scheduler.requests else None,
                         published.append)  # fmt: skip

@@ -256,12 +256,12 @@ def _engine(model: Path, **kw: object) -> EngineCore:
 
 def _budget(engine: EngineCore) -> int | None:
     """The token budget ``EngineCore.step`` would plan with now (its one look at the tightest target)."""
-    return engine._token_budget(engine.scheduler.tightest_ttft_target())
+    return engine.planner.token_budget(engine.scheduler.tightest_ttft_target())
 
 
 def _row_cap(engine: EngineCore) -> int | None:
     """The row cap ``EngineCore.step`` would set now."""
-    return engine._row_cap(engine.scheduler.tightest_ttft_target())
+    return engine.planner.row_cap(engine.scheduler.tightest_ttft_target())
 
 
 def test_p2_preempted_by_p0_finishes_with_output_identical_to_an_unconstrained_run(tiny_llama: Path) -> None:
@@ -380,16 +380,16 @@ def test_engine_takes_an_express_step_for_a_p0_among_many_decodes(tiny_llama: Pa
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
     # alone: 2 + 1 + 1 ms; next to the 12 decodes: 2 + 2.2 + 13 ms
-    assert engine._express(_budget(engine))
+    assert engine.planner.is_express(_budget(engine))
     outs = engine.step()
     assert engine.num_express_steps == 1 and [o.request_id for o in outs] == ["p0"], "the P0's first token, alone"
     stats = engine.make_stats()
     assert stats.steps_by_kind == [3, 1, 0] and stats.batched_tokens_by_kind[1] == 10, "NOTE(step-kinds) in core"
-    assert not engine._express(_budget(engine)), "nothing urgent left"
+    assert not engine.planner.is_express(_budget(engine)), "nothing urgent left"
     engine.add_request(EngineRequest(request_id="p0-b", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
-    engine._express_time = [0.75, 1.0]
-    assert not engine._express(_budget(engine)), "express steps took over 70% of the recent time: a normal step"
+    engine.planner.express_time = [0.75, 1.0]
+    assert not engine.planner.is_express(_budget(engine)), "express steps took over 70% of the recent time: a normal step"
 
 
 def test_lower_classes_leave_p0s_recent_peak_of_slots_free() -> None:
@@ -434,7 +434,7 @@ def test_an_express_step_that_cannot_start_its_p0_falls_back_to_a_normal_step(ti
         engine.step_model.observe(n, 0.002 + 0.0001 * n + 0.005 * q, q)  # c = 5 ms / seq
     engine.add_request(EngineRequest(request_id="p0-late", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
-    assert engine._express(_budget(engine)), "a P0 is waiting and decodes are running"
+    assert engine.planner.is_express(_budget(engine)), "a P0 is waiting and decodes are running"
     outs = engine.step()  # both slots held by P0s: the express step is empty, so the decodes run
     assert sorted(o.request_id for o in outs) == ["p0-0", "p0-1"] and engine.num_express_steps == 0
 
@@ -536,7 +536,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     known_model()
     budget = _budget(engine)
     assert budget is not None and 2 * budget > 40, "twice the bounded budget would start a third P0's prefill"
-    assert engine._express_budget(budget) == 40, "two P0s end at 50 ms, within 60; a third would end at 70"
+    assert engine.planner.express_budget(budget) == 40, "two P0s end at 50 ms, within 60; a third would end at 70"
     outs = engine.step()
     assert engine.num_express_steps == 1
     assert {o.request_id for o in outs if o.new_token_ids} == {"p0-0", "p0-1"}, "the two oldest, whole"
@@ -544,7 +544,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     # 20 ms later: the third alone ends at 50 ms, within its 60; with the fourth at 70 ms
     now += 0.02
     known_model()
-    assert engine._express_budget(_budget(engine)) == 20
+    assert engine.planner.express_budget(_budget(engine)) == 20
     outs = engine.step()
     assert {o.request_id for o in outs if o.new_token_ids} == {"p0-2"}
 
@@ -554,7 +554,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     p0("late", now - 0.1)
     for rid in ("a", "b", "c"):
         p0(rid, now)
-    assert engine._express_budget(_budget(engine)) == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
+    assert engine.planner.express_budget(_budget(engine)) == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
     # a prompt whose first block is cached counts only what is left to compute
     engine.add_request(EngineRequest(request_id="again", prompt_token_ids=engine.scheduler.requests["p0-0"].prompt_token_ids,
                                      sampling=GREEDY, priority=0, ttft_target=0.06, arrival_time=now))  # fmt: skip
@@ -563,7 +563,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     for r, _ in engine.scheduler.p0_prefills():
         r.ttft_target = 1.0
     budget = _budget(engine)
-    assert engine._express_budget(budget) == min(512, 2 * budget)
+    assert engine.planner.express_budget(budget) == min(512, 2 * budget)
 
 
 def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama: Path) -> None:
@@ -581,7 +581,7 @@ def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama:
     budget = _budget(engine)
     assert budget is not None and budget < 12 + 4 * 30, "the bounded budget cannot hold 12 decodes and 120 P0 tokens"
     # alone 130 ms against 142 ms next to the decodes: under EXPRESS_GAIN, but a normal step would chunk the P0s
-    assert engine._express(budget)
-    assert engine._express_budget(budget) == min(512, 2 * budget), "an express step batches twice the budget"
+    assert engine.planner.is_express(budget)
+    assert engine.planner.express_budget(budget) == min(512, 2 * budget), "an express step batches twice the budget"
     engine.step()
     assert engine.num_express_steps == 1
