@@ -1,5 +1,4 @@
-"""What the scheduler remembers between steps: TTFT targets seen, the step cycle time, and each
-class's recent peak of running requests.
+"""What the scheduler remembers between steps: TTFT targets seen and the step cycle time.
 
 Each is a small piece of state with one rule, kept out of ``scheduler.py`` so that the scheduler
 reads as the step it plans.  None of them touches requests' progress or blocks.
@@ -7,21 +6,14 @@ reads as the step it plans.  None of them touches requests' progress or blocks.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable
 
-from sluice.engine.request import Request
-from sluice.types import Priority
-
-__all__ = [
-    "CycleClock", "RunningPeaks", "TargetMemory", "CYCLE_DECAY", "IDLE_GAP_S", "PEAK_DECAY_S", "TARGET_MEMORY_S",
-]
+__all__ = ["CycleClock", "TargetMemory", "CYCLE_DECAY", "IDLE_GAP_S", "TARGET_MEMORY_S"]
 
 CYCLE_DECAY = 0.8  # per schedule(): memory of the step cycle time (NOTE(behind))
 IDLE_GAP_S = 0.5  # a gap between schedule() calls longer than this is idle time, not a step cycle
-TARGET_MEMORY_S = 2.0  # how long a TTFT target seen keeps bounding the step time (EngineCore, NOTE(target-memory))
-PEAK_DECAY_S = 5.0  # time constant of the decaying peak of running requests by class (NOTE(trunk-reservation))
+TARGET_MEMORY_S = 2.0  # how long a TTFT target seen keeps bounding the rows of a step (NOTE(target-memory))
 
 
 class TargetMemory:
@@ -66,22 +58,4 @@ class CycleClock:
         if prev is not None and 0.0 < now - prev < IDLE_GAP_S:
             gap = now - prev
             self.cycle_time = gap if self.cycle_time <= 0.0 else CYCLE_DECAY * self.cycle_time + (1 - CYCLE_DECAY) * gap
-
-
-class RunningPeaks:
-    """Each class's recent peak of running requests, decaying with time constant ``PEAK_DECAY_S``
-    (NOTE(trunk-reservation) in ``Scheduler.seq_limit_for``)."""
-
-    def __init__(self, now: float) -> None:
-        self.peaks = [0.0 for _ in Priority]
-        self._at = now
-
-    def update(self, now: float, holders: Iterable[Request]) -> None:
-        """Fold in the requests holding a slot now (running, and loading from a KV tier)."""
-        decay = math.exp(-max(0.0, now - self._at) / PEAK_DECAY_S)
-        self._at = now
-        counts = [0 for _ in Priority]
-        for r in holders:
-            counts[r.priority] += 1
-        self.peaks = [max(float(n), p * decay) for n, p in zip(counts, self.peaks, strict=True)]
 

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.engine.protocol import SamplingParams
-from sluice.engine.request import Request
 from sluice.engine.sched_signals import (
     IDLE_GAP_S,
-    PEAK_DECAY_S,
     TARGET_MEMORY_S,
     CycleClock,
-    RunningPeaks,
     TargetMemory,
 )
-from sluice.types import Priority
 
 
 def test_target_memory_is_a_sliding_window_minimum() -> None:
@@ -41,15 +36,4 @@ def test_cycle_clock_decays_and_skips_idle_gaps() -> None:
         t += 0.01
         clock.observe(t)
     assert clock.cycle_time == pytest.approx(0.01, rel=0.05), "follows the new cycle time"
-
-
-def test_running_peaks_hold_then_decay() -> None:
-    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1), priority=Priority.P0) for i in range(3)]
-    peaks = RunningPeaks(now=0.0)
-    peaks.update(0.0, reqs)
-    assert peaks.peaks[Priority.P0] == 3.0 and peaks.peaks[Priority.P2] == 0.0
-    peaks.update(PEAK_DECAY_S, reqs[:1])
-    assert peaks.peaks[Priority.P0] == pytest.approx(3.0 / 2.718281828, rel=1e-6), "one time constant later"
-    peaks.update(10 * PEAK_DECAY_S, reqs[:1])
-    assert peaks.peaks[Priority.P0] == 1.0, "never below what runs now"
 
