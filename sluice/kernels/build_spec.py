@@ -30,7 +30,7 @@ EXTENSIONS: dict[str, tuple[str, list[str], list[str]]] = {
     # bit-identical across batch sizes (batch invariance) and across ISAs.
     "quant": (
         "sluice.kernels._C_quant",
-        ["qgemm.cpp", "qgemm_amx.cpp", "ops.cpp", "qlinear_op.cpp", "quant_bindings.cpp"],
+        ["qgemm.cpp", "qgemm_amx.cpp", "ops.cpp", "qlinear_op.cpp", "moe_op.cpp", "quant_bindings.cpp"],
         ["-O3", "-fopenmp", "-ffp-contract=off"],
     ),
     # lora: the LoRA deltas of a step, one call per seam for every adapter group

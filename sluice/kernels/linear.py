@@ -257,6 +257,23 @@ class Linear(nn.Module):
         op.set_bias(None if self.bias is None else self.bias.float())
         self.op = op
 
+    def quant_kernel_args(self) -> tuple[ql.PackedWeight, list[int], list[int]] | None:
+        """The layer as one quantized matrix, for a C++ op that runs it among others (models/moe.py's
+        grouped experts): its packed weight, and the batch buckets' tops and kernel paths of its plan.
+        None unless the layer is exactly that (one quantized part, no bias) and its op was built."""
+        if self.op is None or self.bias is not None or len(self.parts) != 1 or self.parts[0][0] != "quant":
+            return None
+        pw = self._packed(self.parts[0][1])
+        paths = self.plan.paths_for(pw.n, pw.k, pw.mode)
+        return pw, list(BUCKETS[: len(paths)]), [int(p) for p in paths]
+
+    def fp32_kernel_weight(self) -> torch.Tensor | None:
+        """The layer's one batch-invariant float32 matrix, packed (ceil(n/16), k, 16), for a C++ op that
+        runs it itself (the MoE router); None unless the layer is exactly that (no bias) and its op was built."""
+        if self.op is None or self.bias is not None or len(self.parts) != 1 or self.parts[0][0] != "fp32":
+            return None
+        return cast(torch.Tensor, getattr(self, f"f{self.parts[0][1]}_data"))
+
     def _apply(self, fn: Any, recurse: bool = True) -> Linear:
         out = super()._apply(fn, recurse)
         if self.op is not None:  # the op holds the old tensors

@@ -13,4 +13,5 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 
 void register_ops(pybind11::module& m);
 void register_qlinear(pybind11::module& m);
+void register_moe(pybind11::module& m);
 }  // namespace sluice

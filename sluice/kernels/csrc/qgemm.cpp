@@ -431,15 +431,11 @@ void quantize_rows_parallel(const float* x, int64_t M, int64_t K, int64_t ldx, i
 
 namespace sluice {
 
-using TileFn = void (*)(const ActQ&, int64_t, const WPack&, int64_t, float*);
+constexpr int kMaxRows = kMaxTileRows;
 
-constexpr int kMaxRows = 8;
+int tile_rows(int path) { return path == kAvx512Vnni ? kMaxRows : (path == kAvx2 || path == kAvxVnni) ? 6 : 4; }
 
-// rows one tile call serves on a path: 8 with AVX-512's 32 registers, 6 on the ymm
-// paths, 4 on the scalar one
-static int max_rows(int path) { return path == kAvx512Vnni ? kMaxRows : (path == kAvx2 || path == kAvxVnni) ? 6 : 4; }
-
-static TileFn pick(int path, int r) {
+TileFn tile_fn(int path, int r) {
   static const TileFn table[4][kMaxRows] = {
       {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
       {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>, tile_avx2<5>, tile_avx2<6>},
@@ -498,9 +494,9 @@ void run_gemm(const ActQ& a, int64_t M, const WPack& w, float* out, int64_t ldo,
     });
     return;
   }
-  const int rmax = max_rows(path);
+  const int rmax = tile_rows(path);
   TileFn fns[kMaxRows] = {};
-  for (int r = 1; r <= rmax; ++r) fns[r - 1] = pick(path, r);
+  for (int r = 1; r <= rmax; ++r) fns[r - 1] = tile_fn(path, r);
   // NOTE(parallel): tiles of output channels are split across threads; the K
   // reduction of one element is never split, so the thread count cannot change it.
   // NOTE(m-blocking): rows are taken 64 at a time so their quantized activations

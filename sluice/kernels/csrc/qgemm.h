@@ -105,6 +105,14 @@ using StoreFn = std::function<void(const float* res, int r, int64_t m0, int64_t 
 void run_gemm_amx(const ActQ& a, int64_t M, const WPack& w, const StoreFn& store);
 
 // Compute R rows (m0..m0+R-1) x one tile of 16 channels; res: R x 16 floats.
+// tile_fn(path, r) is the function a path runs for r rows, 1 <= r <= tile_rows(path): 8 rows on
+// AVX-512's 32 registers, 6 on the ymm paths, 4 on the scalar one (the AMX path has its own
+// driver, run_gemm_amx).  run_gemm and the grouped expert GEMM (moe_op.cpp) both call them.
+using TileFn = void (*)(const ActQ&, int64_t, const WPack&, int64_t, float*);
+constexpr int kMaxTileRows = 8;
+int tile_rows(int path);
+TileFn tile_fn(int path, int r);
+
 template <int R>
 void tile_scalar(const ActQ& a, int64_t m0, const WPack& w, int64_t tile, float* res);
 template <int R>

@@ -142,4 +142,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "dequantize rows of a packed weight (embedding lookup)");
   sluice::register_ops(m);
   sluice::register_qlinear(m);
+  sluice::register_moe(m);
 }
