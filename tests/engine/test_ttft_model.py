@@ -155,14 +155,3 @@ def test_the_model_loads_without_torch() -> None:
     code = "import sys, sluice.engine.ttft_model, sluice.server.admission; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0, "torch imported by the TTFT model"
 
-
-def test_p0s_queued_since_the_stats_take_slots_before_a_lower_class() -> None:
-    # 4 slots, no limit published below the total: 2 P1s run; 2 P0s queued since the stats take the other two
-    s = stats(num_running_by_priority=[0, 2, 0], num_running=2, num_decoding=2, max_num_seqs=4,
-              running_slots=[[1, 1, 15]] * 2)  # fmt: skip
-    load = EngineLoad.from_stats(s, policy="wfq", mean_output_tokens=16, max_num_batched_tokens=512, max_num_seqs=4)
-    assert predict_ttft(load, Priority.P1, 100) < 0.2, "two of four slots free"
-    load.add(Priority.P0, 10)
-    load.add(Priority.P0, 10)
-    assert predict_ttft(load, Priority.P1, 100) > 14 * 0.01, "the P0s take the free slots: it waits for a P1 to finish"
-
