@@ -221,8 +221,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int,
     per_step = max(1.0, load.max_num_batched_tokens - decodes)
     if c == Priority.P0 and load.express_budget > 0:
         # NOTE(express-prediction): P0's prefills run in express steps (the engine's
-        # NOTE(express-step)): no decodes, no other class's prefill, twice the budget;
-        # between two of them the running decodes take a normal step
+        # NOTE(express-step)): no decodes, no other class's prefill, ``express_budget`` tokens
+        # a step; between two of them the running decodes take a normal step
         steps = max(1, math.ceil(own / load.express_budget))
         prefill_bound = (steps * load.step_time(0, 1) + load.step_time_per_token * own
                          + (steps - 1) * load.step_time(load.num_decoding, load.num_decoding))  # fmt: skip
