@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -333,8 +334,13 @@ class MoEOp {
   }
 
   // out rows [off[e], off[e] + cnt[e]) = rows of `a` there @ W_e^T, for every expert with rows: the tiles of the
-  // experts on the vector paths in one parallel loop (chunks of gemm_grain tiles, NOTE(gemm-grain)); an expert on
+  // experts on the vector paths in one parallel loop (items of gemm_grain tiles, NOTE(gemm-grain)); an expert on
   // the AMX path runs its own.  Returns the nanoseconds it took.
+  //
+  // NOTE(claimed-items): the loop's threads claim items one at a time from a shared counter instead of taking
+  // the pool's fixed chunks: one pool chunk is an eighth of the loop, here a whole layer's experts, and a worker
+  // the OS takes off its core mid-chunk (NOTE(pool-waits)) would hold that eighth; now it holds one item (one
+  // expert's few tiles), and the caller claims the rest.  Each item is one thread's, so no bit depends on it.
   int64_t grouped_gemm(const QRows& a, const std::vector<int64_t>& cnt, const std::vector<int64_t>& off,
                        const std::vector<ExpertLinear>& lin, float* out, int64_t ldo) const {
     const int64_t t0 = now_ns();
@@ -352,9 +358,11 @@ class MoEOp {
         items.push_back(Item{(int32_t)e, (int32_t)t, (int32_t)std::min<int64_t>(L.w.NT, t + grain)});
     }
     constexpr int64_t kRowBlock = 64, kTileGroup = 8;  // as run_gemm: NOTE(m-blocking), NOTE(tile-groups)
-    sluice::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t b, int64_t end) {
+    const int64_t num_items = (int64_t)items.size();
+    std::atomic<int64_t> next{0};
+    sluice::parallel_for(0, std::min<int64_t>(num_items, 16), 1, [&](int64_t, int64_t) {
       alignas(64) float res[kMaxTileRows * kTile];
-      for (int64_t i = b; i < end; ++i) {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
         const Item& it = items[i];
         const ExpertLinear& L = lin[it.e];
         const int64_t n = cnt[it.e], row0 = off[it.e];
