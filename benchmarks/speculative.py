@@ -21,6 +21,7 @@ Each figure is the median of ``--rounds`` runs, modes interleaved.  Prints table
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ from benchmarks._report import machine_line, markdown_table, print_json_last, wr
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DOC = DOCS / "speculative.md"
 PLOT = DOCS / "speculative.png"
+LLAMA_DIR = Path(__file__).resolve().parent.parent / ".peers" / "llama1b"
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -69,12 +71,13 @@ def _grounded(n: int) -> list[str]:
     return [f"{TASKS[i % len(TASKS)]}\n\n{PASSAGES[(i + i // len(TASKS)) % len(PASSAGES)]}" for i in range(n)]
 
 
-def _run(llm: Any, prompts: list[list[int]], tokens: int, concurrency: int) -> tuple[float, list[list[int]], dict[str, Any]]:
+def _run(llm: Any, prompts: list[list[int]], tokens: int, concurrency: int,
+         ignore_eos: bool = False) -> tuple[float, list[list[int]], dict[str, Any]]:  # fmt: skip
     """(tok/s, tokens per prompt, speculation counters of the run): every prompt submitted at once, at most
     ``concurrency`` running (the engine's slot cap; a finished request's slot goes to the next at once)."""
     from sluice.engine.protocol import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=ignore_eos)
     llm.engine.scheduler.max_num_seqs = concurrency
     s0 = llm.engine.make_stats()
     t0 = time.monotonic()
@@ -151,6 +154,250 @@ def bench_ngram(model: str, tokens: int, levels: list[int], rounds: int, n_promp
     return rows, out
 
 
+
+# ---------------------------------------------------------------- Llama-1B shape: Q8_0 target, Q4_0 draft
+
+LLAMA_PROMPT_TOKENS = 32  # random token ids per prompt (the weights are random: any text is as good)
+
+
+def _id_prompts(n: int, length: int = LLAMA_PROMPT_TOKENS, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
+
+
+class LlamaServer:
+    """llama-server on one GGUF with ``extra`` flags (a draft model, lookup), one slot: a c=1 arm."""
+
+    def __init__(self, binary: str, gguf: Path, extra: list[str], threads: int):
+        import subprocess
+
+        from benchmarks.serving_procs import _wait_healthy, free_port
+
+        port = free_port()
+        # SLUICE_LLAMA_ARGS: as in serving.py (e.g. --no-repack where ggml's AMX path dies of SIGILL)
+        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+               "-tb", str(threads), "-np", "1", "-c", "2048", *extra, *os.environ.get("SLUICE_LLAMA_ARGS", "").split()]  # fmt: skip
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(self.proc, self.url, 600, "llama-server")
+        except BaseException:
+            self.stop()
+            raise
+
+    def run(self, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]], dict[str, Any]]:
+        """(tok/s, tokens per prompt, draft counters): the prompts one after another (c=1), greedy."""
+        import httpx
+
+        out, drafted, accepted, n = [], 0, 0, 0
+        t0 = time.monotonic()
+        for p in prompts:
+            r = httpx.post(self.url + "/completion", timeout=600, json={
+                "prompt": p, "n_predict": tokens, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True, "stream": False})  # fmt: skip
+            r.raise_for_status()
+            body = r.json()
+            out.append(list(body.get("tokens") or []))
+            n += int(body.get("timings", {}).get("predicted_n", len(out[-1])))
+            drafted += int(body.get("timings", {}).get("draft_n", 0) or 0)
+            accepted += int(body.get("timings", {}).get("draft_n_accepted", 0) or 0)
+        wall = time.monotonic() - t0
+        spec = {"drafted": drafted, "accepted": accepted, "accept_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_len": 0.0, "mean_k": 0.0}  # fmt: skip
+        return n / wall, out, spec
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except Exception:  # noqa: BLE001 -- a server that does not stop is killed
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def find_llama_server(given: str | None) -> str | None:
+    import shutil
+
+    from benchmarks.serving_procs import LLAMA_SERVER_GLOBS, find_first
+
+    return given or os.environ.get("SLUICE_LLAMA_SERVER") or shutil.which("llama-server") or find_first(LLAMA_SERVER_GLOBS)
+
+
+def bench_llama1b(target: Path, draft: Path, tokens: int, rounds: int, n_prompts: int, k: int,
+                  llama_bin: str | None, self_q4: bool = False) -> tuple[list[list[object]], dict[str, Any]]:  # fmt: skip
+    """c=1, one prompt after another: sluice's Q8_0 target alone and drafted by the Q4_0 file (adaptive k,
+    fixed k), the Q4_0 file alone (the draft's own speed), and llama-server on the same files plain,
+    with the Q4_0 file as ``--model-draft`` and with n-gram lookup; interleaved rounds, medians."""
+    from sluice import LLM
+
+    draft_cfg = {"model": str(draft), "num_speculative_tokens": k}
+    kw: dict[str, Any] = {"kv_cache_memory": 256 << 20, "max_num_seqs": 1}  # c=1: one short request at a time
+    sluice_modes: dict[str, Any] = {
+        "sluice Q8_0 target": LLM(str(target), **kw),
+        f"sluice Q8_0 + Q4_0 draft, adaptive (k<={k})": LLM(str(target), **kw, speculative_config=draft_cfg),
+        f"sluice Q8_0 + Q4_0 draft, k={k}": LLM(str(target), **kw, speculative_config={**draft_cfg, "k_policy": "fixed"}),
+        "sluice Q4_0 alone (the draft)": LLM(str(draft), **kw),
+    }
+    if self_q4:
+        sluice_modes["sluice Q8_0 + self:q4, adaptive"] = LLM(str(target), **kw, speculative_config={**SELF_Q4, "num_speculative_tokens": k})
+    prompts = _id_prompts(n_prompts)
+    runners: dict[str, Any] = {m: (lambda ps, t, llm=llm: _run(llm, ps, t, 1, ignore_eos=True)) for m, llm in sluice_modes.items()}
+    servers: list[LlamaServer] = []
+    details: dict[str, str] = {}
+    try:
+        if llama_bin:
+            threads = os.cpu_count() or 1
+            arms = {
+                "llama-server Q8_0": [],
+                f"llama-server Q8_0 + Q4_0 draft (--spec-draft-n-max {k})": ["-md", str(draft), "--spec-type", "draft-simple",
+                                                                          "--spec-draft-n-max", str(k)],
+                "llama-server Q8_0 + lookup (ngram-simple, n=3, m=8)": ["--spec-type", "ngram-simple",
+                                                                         "--spec-ngram-simple-size-n", "3",
+                                                                         "--spec-ngram-simple-size-m", "8"],
+            }  # fmt: skip
+            for name, extra in arms.items():
+                srv = LlamaServer(llama_bin, target, extra, threads)
+                servers.append(srv)
+                runners[name] = srv.run
+                details[name] = " ".join(srv.cmd[1:])
+        for run in runners.values():  # warm-up: kernel plans, the draft's first prefill, llama's graphs
+            run(prompts[:1], 8)
+        tps: dict[str, list[float]] = {m: [] for m in runners}
+        last: dict[str, tuple[float, list[list[int]], dict[str, Any]]] = {}
+        loads = [os.getloadavg()[0]]
+        for _ in range(rounds):
+            for name, run in runners.items():
+                last[name] = run(prompts, tokens)
+                tps[name].append(last[name][0])
+                print(f"{name}: {last[name][0]:.1f} tok/s (1-min load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+            loads.append(os.getloadavg()[0])
+    finally:
+        for srv in servers:
+            srv.stop()
+    base_s = statistics.median(tps["sluice Q8_0 target"])
+    base_l = statistics.median(tps["llama-server Q8_0"]) if "llama-server Q8_0" in tps else None
+    best_l = max((statistics.median(v) for m, v in tps.items() if m.startswith("llama-server") and m != "llama-server Q8_0"),
+                 default=None)  # fmt: skip
+    rows, out = [], {"load_1min": loads, "llama_cmd": details}
+    ref = last["sluice Q8_0 target"][1]
+    for m in runners:
+        tok_s = statistics.median(tps[m])
+        spec = last[m][2]
+        same: object = "-"
+        if m.startswith("sluice Q8_0"):
+            same = last[m][1] == ref
+        vs_llama = tok_s / best_l if best_l and m.startswith("sluice") else "-"
+        rows.append([m, tok_s, f"{min(tps[m]):.1f}-{max(tps[m]):.1f}", tok_s / base_s,
+                     tok_s / base_l if base_l else "-", vs_llama,
+                     spec["accept_rate"] if spec["drafted"] else "-",
+                     spec["mean_accepted_len"] if spec["drafted"] and m.startswith("sluice") else "-",
+                     f"{spec['mean_k']:.2f}" if m.startswith("sluice") else "-", same])  # fmt: skip
+        out[m] = {"tok_s": tok_s, "runs": tps[m], "x_sluice_q8": tok_s / base_s, **spec, "same_tokens": same}
+    out["best_llama_spec_tok_s"] = best_l
+    return rows, out
+
+
+# ---------------------------------------------------------------- one speculative step at its seams
+
+
+def spec_step_profile(target: str, spec: dict[str, Any] | None, steps: int = 12, ctx: int = 128) -> dict[str, Any]:
+    """One decode step of one request (``ctx``-token prompt), split at the speculation's seams (ms per step),
+    with the tokens it emits, the weight bytes its forwards read and the rate they read them at."""
+    from benchmarks._step_profile import _Timer, read_bandwidth_gb_s, weight_bytes
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.core import EngineCore
+    from sluice.engine.protocol import EngineRequest, SamplingParams
+
+    core = EngineCore(EngineConfig(model=target, max_num_seqs=1, kv_cache_memory=1 << 30, speculative_config=spec))
+    sp = SamplingParams(temperature=0.0, max_tokens=ctx * 4, ignore_eos=True)
+    core.add_request(EngineRequest(request_id="p", prompt_token_ids=_id_prompts(1, ctx, seed=7)[0], sampling=sp,
+                                   arrival_time=time.monotonic()))  # fmt: skip
+    while core.make_stats().num_decoding < 1:
+        core.step()
+    for _ in range(6):  # decode steps outside the measurement (the adaptive fit, the draft's prefill)
+        core.step()
+    net = core.runner.model
+    spec_obj = core.speculator
+    draft = getattr(getattr(spec_obj, "proposer", None), "draft", None)
+    def timers(*pairs: tuple[Any, str]) -> list[_Timer]:  # the seams that exist in this engine
+        return [_Timer(obj, name) for obj, name in pairs if obj is not None and callable(getattr(obj, name, None))]
+
+    seams: dict[str, list[_Timer]] = {
+        "plan (adaptive k)": timers((spec_obj, "plan")),
+        "schedule": timers((core.scheduler, "schedule")),
+        "propose (draft steps)": timers((spec_obj, "propose")),
+        "sampling rows": timers((core, "_sampling_rows")),
+        "target step (execute)": timers((core.runner, "execute")),
+        "verify + observe": timers((spec_obj, "verify"), (spec_obj, "observe")),
+        "update_from_output": timers((core.scheduler, "update_from_output")),
+    }
+    inner = {"target forward + LM head": [_Timer(net, "forward"), _Timer(net, "compute_logits")]}
+    if draft is not None:
+        inner["draft forwards"] = [_Timer(draft, "forward")]
+        inner["draft model forward + LM head"] = [_Timer(draft.model, "forward"), _Timer(draft.model, "compute_logits")]
+    d_steps0 = draft.num_steps if draft is not None else 0
+    emitted = 0
+    t_steps = []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            outs = core.step()
+            t_steps.append(time.perf_counter() - t)
+            emitted += sum(len(o.new_token_ids) for o in outs)
+    finally:
+        for ts in [*seams.values(), *inner.values()]:
+            for tm in ts:
+                tm.restore()
+    step_s = sum(t_steps) / steps
+    ms = {k: 1e3 * sum(tm.seconds for tm in ts) / steps for k, ts in seams.items() if ts}
+    ms["rest of the step (Python, counters)"] = max(0.0, 1e3 * step_s - sum(ms.values()))
+    inner_ms = {k: 1e3 * sum(tm.seconds for tm in ts) / steps for k, ts in inner.items()}
+    tbytes = weight_bytes(net)
+    dbytes = weight_bytes(draft.model) if draft is not None else 0
+    d_per_step = (draft.num_steps - d_steps0) / steps if draft is not None else 0.0
+    read = tbytes + dbytes * d_per_step  # weight bytes one step reads (each forward reads every weight once)
+    fwd_s = (inner_ms["target forward + LM head"] + inner_ms.get("draft model forward + LM head", 0.0)) / 1e3
+    return {
+        "spec": spec, "step_ms": 1e3 * step_s, "tokens_per_step": emitted / steps, "ms_per_token": 1e3 * step_s * steps / max(1, emitted),
+        "seams_ms": ms, "inner_ms": inner_ms, "draft_forwards_per_step": d_per_step,
+        "target_weight_mb": tbytes / 1e6, "draft_weight_mb": dbytes / 1e6, "weight_mb_per_step": read / 1e6,
+        "weight_gb_s_forwards": read / fwd_s / 1e9 if fwd_s else float("nan"),
+        "weight_gb_s_step": read / step_s / 1e9,
+        "target_gb_s": tbytes / (inner_ms["target forward + LM head"] / 1e3) / 1e9,
+        "draft_gb_s": (dbytes * d_per_step / (inner_ms["draft model forward + LM head"] / 1e3) / 1e9) if draft is not None and d_per_step else float("nan"),
+        "read_bandwidth_gb_s": read_bandwidth_gb_s(),
+    }  # fmt: skip
+
+
+def profile_table(profiles: dict[str, dict[str, Any]]) -> str:
+    names = list(profiles)
+    keys: list[str] = []
+    for p in profiles.values():
+        keys += [k for k in p["seams_ms"] if k not in keys]
+    rows: list[list[object]] = [[k, *[profiles[n]["seams_ms"].get(k, "-") for n in names]] for k in keys]
+    inner: list[str] = []
+    for p in profiles.values():
+        inner += [k for k in p["inner_ms"] if k not in inner]
+    rows += [[f"(inside) {k}", *[profiles[n]["inner_ms"].get(k, "-") for n in names]] for k in inner]
+    rows += [
+        ["step (ms)", *[profiles[n]["step_ms"] for n in names]],
+        ["tokens emitted per step", *[profiles[n]["tokens_per_step"] for n in names]],
+        ["ms per emitted token", *[profiles[n]["ms_per_token"] for n in names]],
+        ["draft forwards per step", *[profiles[n]["draft_forwards_per_step"] for n in names]],
+        ["weight MB read per step (target + draft x forwards)", *[profiles[n]["weight_mb_per_step"] for n in names]],
+        ["weight-read rate in the forwards (GB/s)", *[profiles[n]["weight_gb_s_forwards"] for n in names]],
+        ["  target forward alone (GB/s)", *[profiles[n]["target_gb_s"] for n in names]],
+        ["  draft forwards alone (GB/s)", *[profiles[n]["draft_gb_s"] for n in names]],
+        ["weight-read rate over the whole step (GB/s)", *[profiles[n]["weight_gb_s_step"] for n in names]],
+        ["memory: one pass over 1 GiB (GB/s)", *[profiles[n]["read_bandwidth_gb_s"] for n in names]],
+    ]  # fmt: skip
+    return markdown_table(["one decode step, c=1 (ms unless noted)", *names], rows)
+
+
 def plot(out: dict[str, Any], levels: list[int], path: Path) -> None:
     import matplotlib
 
@@ -171,37 +418,107 @@ def plot(out: dict[str, Any], levels: list[int], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _load_note(loads: list[float]) -> str:
+    return f"1-min load average {loads[0]:.2f} at the start, {max(loads):.2f} at most between rounds, {loads[-1]:.2f} at the end"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="self,ngram,llama1b,profile",
+                    help="comma-separated: self, ngram (SmolLM2), llama1b (Q8_0 target + Q4_0 draft, llama-server), "
+                         "profile (one step of the Llama-1B target at k=0 and k=4)")  # fmt: skip
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=96, help="max output tokens per request")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompts", type=int, default=8, help="requests per run (at least 3x the concurrency)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="32 tokens, 4 prompts at c=1, one round")
-    ap.add_argument("--skip-self", action="store_true", help="leave out the fp32 + self:q4 part")
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--skip-self", action="store_true", help="leave out the fp32 + self:q4 part (= --parts ngram,...)")
+    ap.add_argument("--target", type=Path, default=LLAMA_DIR / "llama1b-q8_0.gguf", help="llama1b: the Q8_0 target")
+    ap.add_argument("--draft", type=Path, default=LLAMA_DIR / "llama1b-q4_0.gguf", help="llama1b: the Q4_0 draft")
+    ap.add_argument("--k", type=int, default=4, help="llama1b: num_speculative_tokens (sluice) / --spec-draft-n-max")
+    ap.add_argument("--llama-prompts", type=int, default=4, help="llama1b: prompts per run (one after another)")
+    ap.add_argument("--also-self-q4", action="store_true", help="llama1b: also the Q8_0 target + self:q4")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (default: found as serving.py finds it)")
+    ap.add_argument("--no-llama", action="store_true", help="llama1b: sluice arms only")
+    ap.add_argument("--no-write", action="store_true", help="write no doc")
+    ap.add_argument("--no-benchmarks-md", action="store_true", help="write docs/speculative.md only")
     args = ap.parse_args()
     if args.small:
-        args.tokens, args.rounds, args.prompts = 32, 1, 4
+        args.tokens, args.rounds, args.prompts, args.llama_prompts = 32, 1, 4, 2
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if args.skip_self:
+        parts = [x for x in parts if x != "self"]
+    unknown = set(parts) - {"self", "ngram", "llama1b", "profile"}
+    if unknown:
+        ap.error(f"unknown part(s) {sorted(unknown)}: use self, ngram, llama1b, profile")
+    if {"llama1b", "profile"} & set(parts):
+        for f in (args.target, args.draft):
+            if not f.is_file():
+                ap.error(f"{f}: no such file (python benchmarks/make_llama1b_gguf.py writes the pair)")
 
     result: dict[str, Any] = {"machine": machine_line(), "tokens": args.tokens, "levels": args.levels}
-    parts = [f"`python benchmarks/speculative.py` ({args.model}, {machine_line()}; greedy, up to {args.tokens} "
-             f"tokens per request, medians of {args.rounds} interleaved runs):", ""]  # fmt: skip
-    if not args.skip_self:
-        rows, result["self"] = bench_self(args.model, args.tokens, args.rounds)
-        table = markdown_table(["c=1, chat", "tok/s", "x fp32", "accepted", "mean kept run", "mean k", "same tokens"], rows)
+    write = not args.no_write
+    if {"self", "ngram"} & set(parts):
+        load0 = os.getloadavg()[0]
+        sections = [f"`python benchmarks/speculative.py --parts {','.join(x for x in parts if x in ('self', 'ngram'))}` "
+                    f"({args.model}, {machine_line()}; greedy, up to {args.tokens} tokens per request, medians of "
+                    f"{args.rounds} interleaved runs; 1-min load average {load0:.2f} at the start):", ""]  # fmt: skip
+        if "self" in parts:
+            rows, result["self"] = bench_self(args.model, args.tokens, args.rounds)
+            table = markdown_table(["c=1, chat", "tok/s", "x fp32", "accepted", "mean kept run", "mean k", "same tokens"], rows)
+            print(table, "\n")
+            sections += ["Self-speculation: the fp32 target drafted by its own Q4_1 weights.", "", table, ""]
+        if "ngram" in parts:
+            rows, result["ngram"] = bench_ngram(args.model, args.tokens, args.levels, args.rounds, args.prompts)
+            table = markdown_table(["c", "input-grounded", "tok/s", "x off", "accepted", "mean kept run", "mean k",
+                                    "same tokens"], rows)  # fmt: skip
+            print(table)
+            sections += ["N-gram drafts on the Q4_1 path, answers that copy from the prompt.", "", table, ""]
+        sections[0] = sections[0].replace("at the start):", f"at the start, {os.getloadavg()[0]:.2f} at the end):")
+        if write and "ngram" in parts:
+            plot(result["ngram"], args.levels, PLOT)
+            sections += ["![tok/s against concurrency](speculative.png)", ""]
+        if write and "self" in parts and "ngram" in parts:
+            write_section("speculative", "\n".join(sections), DOC)
+    if "llama1b" in parts:
+        llama_bin = None if args.no_llama else find_llama_server(args.llama_server)
+        rows, res = bench_llama1b(args.target, args.draft, args.tokens, args.rounds, args.llama_prompts, args.k,
+                                  llama_bin, args.also_self_q4)  # fmt: skip
+        result["llama1b"] = res
+        table = markdown_table(["c=1, Llama-1B shape", "tok/s (median)", "range", "x sluice Q8_0", "x llama-server Q8_0",
+                                "x llama-server best spec.", "accepted", "mean kept run", "mean k", "same tokens"], rows)  # fmt: skip
         print(table, "\n")
-        parts += ["Self-speculation: the fp32 target drafted by its own Q4_1 weights.", "", table, ""]
-    rows, result["ngram"] = bench_ngram(args.model, args.tokens, args.levels, args.rounds, args.prompts)
-    table = markdown_table(["c", "input-grounded", "tok/s", "x off", "accepted", "mean kept run", "mean k",
-                            "same tokens"], rows)  # fmt: skip
-    print(table)
-    parts += ["N-gram drafts on the Q4_1 path, answers that copy from the prompt.", "", table, ""]
-    if not args.no_write:
-        plot(result["ngram"], args.levels, PLOT)
-        parts += ["![tok/s against concurrency](speculative.png)", ""]
-        write_section("speculative", "\n".join(parts), DOC)
+        body = "\n".join([
+            f"`python benchmarks/speculative.py --parts llama1b` ({machine_line()}; {_load_note(res['load_1min'])}): "
+            f"{args.target.name} as the target, {args.draft.name} as the draft (both from the same float weights, "
+            f"`benchmarks/make_llama1b_gguf.py`), {args.llama_prompts} prompts of {LLAMA_PROMPT_TOKENS} random token ids "
+            f"one after another (c=1), {args.tokens} output tokens each (`ignore_eos`), greedy; medians of {args.rounds} "
+            f"interleaved rounds, every arm in the same run.  sluice in-process (`sluice.LLM`), llama-server over HTTP "
+            f"(`/completion`, one slot, {os.cpu_count()} threads; its `accepted` is its own `draft_n_accepted / draft_n`).",
+            "", table, ""])  # fmt: skip
+        if write:
+            write_section("speculative_llama1b", body, DOC)
+            if not args.no_benchmarks_md:
+                write_section("speculative_llama1b", body)
+    if "profile" in parts:
+        draft_cfg = {"model": str(args.draft), "num_speculative_tokens": 4, "k_policy": "fixed"}
+        load0 = os.getloadavg()[0]
+        profiles = {
+            "k=0 (Q8_0 target alone)": spec_step_profile(str(args.target), None),
+            "k=4 (Q8_0 + Q4_0 draft, fixed)": spec_step_profile(str(args.target), draft_cfg),
+            "Q4_0 alone": spec_step_profile(str(args.draft), None),
+        }
+        result["profile"] = profiles
+        table = profile_table(profiles)
+        print(table)
+        body = "\n".join([
+            f"`python benchmarks/speculative.py --parts profile` ({machine_line()}; 1-min load average {load0:.2f} at "
+            f"the start, {os.getloadavg()[0]:.2f} at the end): one request, a 128-token prompt of random ids, greedy; "
+            "12 decode steps timed at the engine's seams (`time.perf_counter` around each), after 6 untimed ones.",
+            "", table, ""])  # fmt: skip
+        if write:
+            write_section("speculative_profile", body, DOC)
     print_json_last(result)
 
 

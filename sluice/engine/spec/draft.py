@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,12 +42,37 @@ __all__ = ["DraftModel", "DraftRow", "draft_source"]
 log = logging.getLogger("sluice.engine")
 
 
+SELF_Q4_MAX_BITS = 5.5  # a GGUF whose layers take more bits per weight than this drafts with int4 (NOTE(self-q4-bits))
+
+
+def gguf_layer_bits(path: Path) -> float | None:
+    """Bits per weight of a GGUF's decoder-layer matrices (its first 2-D ``blk.*`` weight); None if it has none."""
+    import gguf
+
+    from sluice.models.files import gguf_reader
+
+    for t in gguf_reader(path).tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) >= 2:
+            block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            return 8.0 * size / block
+    return None
+
+
 def draft_source(model: str, target: ModelSource) -> tuple[ModelSource, str]:
-    """(source, quantization) of the draft model named by the config's ``model``."""
+    """(source, quantization) of the draft model named by the config's ``model``.
+
+    NOTE(self-q4-bits): ``self:q4`` drafts with the GGUF's own weights only where they are 4-bit-class
+    (Q4_0, Q4_1, Q4_K, Q5_x: at most ``SELF_Q4_MAX_BITS`` a weight).  A Q8_0 (or F16) file's own weights
+    are the target's: such a draft costs a whole target step per token and is always accepted, a loss
+    (0.88x on the Llama-1B Q8_0 shape, docs/speculative.md); its draft is quantized to int4 at load instead.
+    """
     from sluice.engine.spec_config import SELF_Q4
 
     if model == SELF_Q4:
-        return target, "gguf" if target.kind == "gguf" else "int4"
+        if target.kind != "gguf":
+            return target, "int4"
+        bits = gguf_layer_bits(target.path)
+        return target, "gguf" if bits is not None and bits <= SELF_Q4_MAX_BITS else "int4"
     try:
         return resolve_model(model), "auto"
     except Exception as e:  # noqa: BLE001 -- whatever the loader says, one line naming the setting
