@@ -18,10 +18,8 @@ load the engine can serve comes back as resent requests (issue 57).  Alone, a cl
 its target so the engine does not cap its rows for it (NOTE(row-cap)).  ``--slo`` targets always bind.
 
 NOTE(measured-ceiling): for a P1/P2 whose derived target does not bind, the longest wait is judged on the
-class's queue as measured, not on the model, which charges a wave of arrivals the prefill of the whole
-backlog: at least its oldest queued request's age (the sojourn time, as in CoDel) and ``(queued + 1) /
-drain rate`` (first outputs per second of backlog, ``admission_rates``).  P0 (drained by express steps)
-and explicit targets keep the model.
+class's queue as measured (NOTE(class-drain)), not on the model, which charges a wave of arrivals the
+prefill of the whole backlog.  P0 (drained by express steps) and explicit targets keep the model.
 
 NOTE(shed-lowest-first): a P0 burst is never turned away while P2 work waits; newest first keeps the
 oldest requests' queueing investment.  All or nothing: if shedding every candidate would not make room,
@@ -39,10 +37,19 @@ token rate, which overstates it where steps are small.  NOTE(surge-onset): a req
 idle engine starts a busy period; its 1-s averages restart and count as a rate once ``ONSET_MIN_S`` old
 (before that, a burst is read as it is, not as a rate).
 
+NOTE(refused-above): while a higher class is refused for its predicted wait (within ``REFUSED_ABOVE_S``),
+a lower class is refused too: the higher classes alone fill the engine, and a lower request admitted in
+a gap would be pushed back until it is overdue.
+
 NOTE(overdue): a queued P1/P2 without a first token after ``OVERDUE_FACTOR`` times the bound it was
 admitted on has missed it for good: it is shed (429 ``expired``) rather than take engine time from
 requests that can still make theirs, or hang until the client gives up.  P0 is never shed for its age.
 A started request preempted and left without output: NOTE(stalled) in ``serving``.
+
+NOTE(class-drain): what the model cannot see is how the engine's share actually falls to a class.  A
+P1/P2 prediction is at least its class's oldest queued request's age (the sojourn time, as in CoDel)
+and ``(queued + 1) / drain rate`` (first outputs per second of backlog, ``admission_rates``).  P0 keeps
+the model: its express steps start queued P0s together.
 
 NOTE(p0-margin): past the load where express steps take P0's prefills as they come, P0s queue behind
 normal steps the model does not see.  While over ``P0_MISS_HIGH`` of admitted P0s miss their target,
@@ -82,6 +89,7 @@ ONSET_MIN_S = 0.25  # a busy period's arrivals count as a rate once it is this o
 SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or the hard bound (NOTE(young-victims))
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
+REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
 ACTIVE_WINDOW_S = RATE_WINDOW_S  # a class admitted this recently is active beside another (NOTE(lone-class))
 EARLY_SHED_S = 0.25  # a class's last refusal, less the time since, refuses before parsing this long (NOTE(early-shed))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
@@ -165,7 +173,7 @@ class AdmissionController:
         self._floor = [0.0 for _ in Priority]  # ... and that refusal's 1-token best case (NOTE(early-shed))
         self._floor_by_ceiling = [False for _ in Priority]  # ... against max_queue_wait, not the target
         self._admitted_at = [float("-inf") for _ in Priority]  # last admission by class (NOTE(lone-class))
-        self._drain = [ClassDrain() for _ in Priority]  # NOTE(measured-ceiling)
+        self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
         self._p0_margin = (1.0, 0.0)  # ... the factor on P0's predictions it set, and when
 
@@ -239,25 +247,36 @@ class AdmissionController:
             shares[0] = lam[0] / observed * p0
         return shares, [x / observed for x in lam]
 
-    def drain_wait(self, priority: int) -> float:
-        """A new request's wait behind its class's queue, measured (NOTE(measured-ceiling)); 0 for P0.
+    def drain_wait(self, priority: int, load: EngineLoad | None = None) -> float:
+        """A new request's wait behind its class's queue, measured (NOTE(class-drain)); 0 for P0.
 
-        NOTE(idle-drain): with none of the class queued, nothing is ahead of a new request and an old
-        drain rate no longer applies (one stall once left a lone class refused for seconds on an idle engine).
+        NOTE(idle-drain): with none of the class queued and no higher class running, waiting or queued
+        (``load``), nothing is ahead of a new request and an old drain rate no longer applies: the model
+        decides (one stall once left a class refused for seconds on an idle engine).
         """
+        if priority == Priority.P0:
+            return 0.0
         drain = self._drain[priority]
-        return 0.0 if priority == Priority.P0 or not drain.queued else drain.wait(self._clock())
+        if load is not None and not drain.queued and not self._higher_busy(load, priority):
+            return 0.0
+        return drain.wait(self._clock())
+
+    def _higher_busy(self, load: EngineLoad, priority: int) -> bool:
+        """Whether a class above ``priority`` has requests in the engine or queued here."""
+        return any(load.num_running_by_priority[c] or load.num_waiting_by_priority[c] or self._drain[c].queued
+                   for c in range(priority))  # fmt: skip
 
     def predict(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
         """Predicted TTFT of a new request: the queue now (``predict_ttft``), stretched by the
-        higher classes' arrivals while it waits (NOTE(higher-arrivals))."""
+        higher classes' arrivals while it waits (NOTE(higher-arrivals)), and no less than its
+        class's queue takes to drain (NOTE(class-drain))."""
         if self.policy == "wfq" and priority > Priority.P1:
             model = self._predict_gps(load, priority, num_prompt_tokens)
         else:
             model = predict_ttft(load, priority, num_prompt_tokens) / (1.0 - self.higher_load(priority, load))
         if priority == Priority.P0:
             model *= self.p0_margin  # NOTE(p0-margin)
-        return model
+        return max(model, self.drain_wait(priority, load))
 
     def _predict_gps(self, load: EngineLoad, priority: int, num_prompt_tokens: int) -> float:
         """``predict``'s model for a class with a class other than P0 above it, under ``wfq``.
@@ -409,13 +428,16 @@ class AdmissionController:
         target = self.target(priority, prompt, load)
         assert target is not None
         now = self._clock()
+        refused = self._refused_above(priority, now)
+        if refused is not None:
+            raise refused
         binds = self.target_binds(priority, load, now)
         bound = min(target, self.max_queue_wait) if binds else self.max_queue_wait
         for e in victims:
             load.add(e.priority, e.num_prompt_tokens, -1)
         predicted = self.predict(load, priority, prompt)
         if not binds and priority != Priority.P0:  # NOTE(measured-ceiling): the class's queue, measured
-            waited = self.drain_wait(priority)
+            waited = self.drain_wait(priority, load)
             if waited <= bound:
                 return victims, predicted, target, bound
             self._refused_at[priority] = now
@@ -461,12 +483,14 @@ class AdmissionController:
                 break
         return victims, predicted, target, bound
 
-    def refuse_early(self, priority: Priority, max_prompt_tokens: int) -> OverloadedError | None:
-        """The refusal a ``priority`` request of at most ``max_prompt_tokens`` prompt tokens gets before it is
-        parsed, or None: parse it and admit it as usual.  The rules: NOTE(early-shed) in sluice.server.early_shed."""
+    def refuse_early(self, priority: Priority, max_prompt_tokens: int | None = None) -> OverloadedError | None:
+        """The refusal a ``priority`` request of at most ``max_prompt_tokens`` prompt tokens (None: any number)
+        gets before it is parsed, or None: parse it and admit it as usual.  The rules: NOTE(early-shed) in
+        sluice.server.early_shed."""
         now = self._clock()
-        if not self.has_floor(priority):
-            return None
+        refused = self._refused_above(priority, now)
+        if refused is not None or max_prompt_tokens is None or not self.has_floor(priority):
+            return refused
         floor = self._floor[priority] - (now - self._refused_at[priority])
         if self._floor_by_ceiling[priority]:  # refused past max_queue_wait (NOTE(lone-class))
             if floor <= self.max_queue_wait:
@@ -485,6 +509,15 @@ class AdmissionController:
         """A refusal of the class by predicted wait in the last ``EARLY_SHED_S`` may refuse it early (NOTE(early-shed))."""
         return priority != Priority.P0 and self._clock() - self._refused_at[priority] < EARLY_SHED_S
 
+    def _refused_above(self, priority: Priority, now: float) -> OverloadedError | None:
+        """NOTE(refused-above): a higher class was refused for its predicted wait in the last ``REFUSED_ABOVE_S``."""
+        above = [p for p in Priority if p < priority and now - self._refused_at[p] < REFUSED_ABOVE_S]
+        if not above:
+            return None
+        why = f"{above[-1].label} requests are being refused for their predicted wait"
+        return OverloadedError(f"{why}; a {priority.label} request is refused with them; retry later",
+                               retry_after=self.jittered(self.retry_after), code="slo_unattainable")  # fmt: skip
+
     def overdue(self) -> list[str]:
         """Remove and return the queued requests below P0 that waited ``OVERDUE_FACTOR`` times their
         target (NOTE(overdue)); the caller answers them with 429."""
@@ -500,7 +533,7 @@ class AdmissionController:
 
     def started(self, key: str) -> None:
         """The request's first output arrived: it leaves the queue, and counts in its class's drain
-        rate (NOTE(measured-ceiling))."""
+        rate (NOTE(class-drain))."""
         e = self._queued.get(key)
         if e is not None:
             now = self._clock()

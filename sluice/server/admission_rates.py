@@ -1,6 +1,6 @@
 """What the admission measures over time (pure): exponentially weighted event rates, and one
 class's queue with the rate it drains at.  The rules that read them live in ``admission``
-(NOTE(higher-arrivals), NOTE(measured-ceiling))."""
+(NOTE(higher-arrivals), NOTE(class-drain))."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 __all__ = ["RATE_WINDOW_S", "DRAIN_MIN_BACKLOG_S", "Rate", "ClassDrain"]
 
 RATE_WINDOW_S = 5.0  # time constant of the measured arrival and completion rates (NOTE(higher-arrivals))
-DRAIN_MIN_BACKLOG_S = 1.0  # weighted seconds of backlog before a class's drain rate counts (NOTE(measured-ceiling))
+DRAIN_MIN_BACKLOG_S = 1.0  # weighted seconds of backlog before a class's drain rate counts (NOTE(class-drain))
 
 
 class Rate:
@@ -32,7 +32,7 @@ class Rate:
 
 class ClassDrain:
     """One class's queue: its queued requests in admission order, and first outputs per second of time
-    with any queued (NOTE(measured-ceiling))."""
+    with any queued (NOTE(class-drain))."""
 
     __slots__ = ("queued", "starts", "backlog", "at")
 

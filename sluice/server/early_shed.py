@@ -1,13 +1,16 @@
-"""Answer a request that admission refuses whatever its body says, before the app parses it.
+"""Answer a request that admission refuses whatever it says before the app reads it.
 
 NOTE(early-shed): under overload most requests end in a 429, and on a small machine every
 millisecond of CPU the API process spends on a request it refuses is taken from the engine's steps.
 This middleware answers at once what admission would refuse whatever the body says
-(``refuse_early``), the class taken from the ``x-priority`` header and capped by the caller's key: a
-class refused for its predicted wait in the last ``EARLY_SHED_S``, after the body is read but not
-validated or tokenized, when that refusal's best case for a 1-token prompt, less the time since, is
-over the class's bound for the longest prompt the body may hold (``prompt_bound``, ``ChatBound``: a
-token is at least a byte of text, plus what the tokenizer or chat template adds).
+(``refuse_early``), the class taken from the ``x-priority`` header and capped by the caller's key:
+
+- a class below one being refused for its predicted wait (NOTE(refused-above) in
+  sluice.server.admission), before its body is read;
+- a class itself refused for its predicted wait in the last ``EARLY_SHED_S``, after its body is read but
+  not validated or tokenized: that refusal's best case for a 1-token prompt, less the time since, is
+  over the class's bound for the longest prompt the body may hold (``prompt_bound``, ``ChatBound``: a
+  token is at least a byte of text, plus what the tokenizer or chat template adds).
 
 What the full path checks first still comes first (503 draining or dead engine, 401, 400 for a bad
 class header); what it checks after is skipped, so a request shed early gets the 429 even where its
@@ -53,8 +56,9 @@ class EarlyShedMiddleware:
         caller = self._caller(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
         if caller is not None:
             key, priority = caller
-            admission, refused = self.state.admission, None
-            if admission.has_floor(priority):
+            admission = self.state.admission
+            refused = admission.refuse_early(priority)
+            if refused is None and admission.has_floor(priority):
                 body, receive = await _buffered(receive, self.state.settings.max_request_bytes)
                 bound = None if body is None else self._bound(scope["path"], body)
                 if bound is not None:

@@ -480,7 +480,7 @@ class LanedAdmission:
 
     # -- early refusals and signals ---------------------------------------------------
 
-    def refuse_early(self, priority: Priority, max_prompt_tokens: int) -> OverloadedError | None:
+    def refuse_early(self, priority: Priority, max_prompt_tokens: int | None = None) -> OverloadedError | None:
         """A refusal only when every lane would refuse (the first lane's), else None."""
         refusals = [adm.refuse_early(priority, max_prompt_tokens) for adm in self.lanes]
         return None if any(r is None for r in refusals) else refusals[0]

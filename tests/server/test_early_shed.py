@@ -78,12 +78,14 @@ def test_a_class_refused_for_its_wait_is_refused_early_by_its_one_token_best_cas
     a = _refused_p1(clock, f"p0=1s,p1={floor - 0.1:.4f}s,p2=100s", 300)  # the floor is 0.1 s over P1's target
     e = a.refuse_early(Priority.P1, 10)
     assert e is not None and e.code == "slo_unattainable" and e.retry_after is not None and e.retry_after >= 1.0
+    assert a.refuse_early(Priority.P1) is None, "with no bound on its prompt a P1 is parsed"
     assert a.refuse_early(Priority.P0, 10) is None, "P0 is never refused early"
-    assert a.refuse_early(Priority.P2, 10) is None, "P2 was not refused: it is parsed"
+    assert a.refuse_early(Priority.P2) is not None, "NOTE(refused-above): any P2 while P1 is refused"
     clock.now += 0.09
     assert a.refuse_early(Priority.P1, 10) is not None
     clock.now += 0.02
     assert a.refuse_early(Priority.P1, 10) is None, "the floor less the 0.11 s since is within the target"
+    assert a.refuse_early(Priority.P2) is not None, "P2 still follows P1's refusal for REFUSED_ABOVE_S"
 
 
 def test_the_early_floor_lasts_early_shed_s_and_yields_to_a_longer_prompts_target() -> None:
@@ -131,10 +133,12 @@ async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_c
         full = await go("p1", {"prompt": "x", "max_tokens": 2})
         assert full.status_code == 429 and "over the p1 target" in full.text, "the full path refuses, by prediction"
         # what the full path would answer 400 is shed early: its body is not validated
-        p1 = await go("p1", {"prompt": "x", "max_tokens": -5}, **{"x-request-id": "early-1"})
-        assert p1.status_code == 429 and p1.json()["error"]["code"] == "slo_unattainable"
-        assert "at least" in p1.json()["error"]["message"], "its class's floor"
-        assert int(p1.headers["retry-after"]) >= 1 and p1.headers["x-request-id"] == "early-1"
+        p2 = await go("p2", b"not json", **{"x-request-id": "early-1"})
+        assert p2.status_code == 429 and p2.json()["error"]["code"] == "slo_unattainable"
+        assert "p1 requests are being refused" in p2.json()["error"]["message"]
+        assert int(p2.headers["retry-after"]) >= 1 and p2.headers["x-request-id"] == "early-1"
+        p1 = await go("p1", {"prompt": "x", "max_tokens": -5})
+        assert p1.status_code == 429 and "at least" in p1.json()["error"]["message"], "its own class's floor"
         # the full path still decides the rest
         assert (await go(None, b"not json")).status_code == 400, "no class header: parsed (the body may name one)"
         assert (await go("p0", b"not json")).status_code == 400, "P0 is never shed early"
@@ -143,11 +147,13 @@ async def test_the_server_sheds_early_only_what_the_full_path_would_refuse_and_c
                             headers={"x-priority": "p1"})  # fmt: skip
         assert chat.status_code == 429 and "at least" in chat.json()["error"]["message"], "a chat P1: its own floor"
         assert (await go("p9", b"not json")).status_code == 400, "no such class"
-        assert (await go("p2", b"not json")).status_code == 400, "a class not refused is parsed"
+        assert (await go("p2", {"prompt": "x", "max_tokens": 1})).status_code == 429
         assert (await running).status_code == 200
         text = (await c.get("/metrics")).text
+    assert 'sluice_admission_rejected_total{priority="p2",reason="slo_unattainable"} 2.0' in text
     assert 'sluice_admission_rejected_total{priority="p1",reason="slo_unattainable"} 3.0' in text
-    assert 'sluice_requests_total{priority="p1",status="429"} 3.0' in text, "counted as the full path counts"
+    assert 'sluice_requests_total{priority="p2",status="429"} 2.0' in text
+    assert 'sluice_slo_requests_total{priority="p2"} 2.0' in text
 
 
 async def test_a_key_that_does_not_authenticate_is_answered_401_not_shed(server_factory) -> None:
@@ -161,11 +167,10 @@ async def test_a_key_that_does_not_authenticate_is_answered_401_not_shed(server_
             await asyncio.sleep(0.02)
         r = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-priority": "p1", **auth})
         assert r.status_code == 429
-        body = {"prompt": "x", "max_tokens": -5}
-        bad = await c.post("/v1/completions", json=body, headers={"x-priority": "p1"})
+        bad = await c.post("/v1/completions", json={"prompt": "x"}, headers={"x-priority": "p2"})
         assert bad.status_code == 401, bad.text
-        ok = await c.post("/v1/completions", json=body, headers={"x-priority": "p1", **auth})
-        assert ok.status_code == 429 and "at least" in ok.text, "the same request with its key is shed early"
+        ok = await c.post("/v1/completions", content=b"{", headers={"x-priority": "p2", **auth})
+        assert ok.status_code == 429, "the same request with its key is shed early"
         assert (await running).status_code == 200
 
 

@@ -259,7 +259,7 @@ def test_a_request_is_refused_only_when_every_lane_refuses_it() -> None:
     d = adm.admit("p", Priority.P0, 20, 10)
     assert d.shed == ["x"] and d.lane == 0
     assert adm.num_queued == 2
-    assert adm.refuse_early(Priority.P2, 10) is None  # nothing refused by predicted wait: parse and admit
+    assert adm.refuse_early(Priority.P2) is None  # nothing refused by predicted wait: parse and admit
 
 
 def test_one_engine_core_is_admitted_by_the_same_object_as_its_controller_alone() -> None:

@@ -75,7 +75,7 @@ def test_a_lone_class_is_refused_only_past_the_longest_wait_and_by_its_target_be
     with pytest.raises(OverloadedError) as e:
         a.admit("p1-mixed", Priority.P1, 116, 100)
     assert e.value.code == "slo_unattainable"
-    clock.now += admission.ACTIVE_WINDOW_S
+    clock.now += admission.ACTIVE_WINDOW_S + admission.REFUSED_ABOVE_S
     a.admit("p2", Priority.P2, 116, 100)
     assert a.admit("p1-beside-p2", Priority.P1, 116, 100).target == 2.0, "beside P2 the engine gets P1's target"
     a.remove("p2")

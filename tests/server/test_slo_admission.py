@@ -2,7 +2,7 @@
 
 The engine (``slo_fakes``) is "measured" at a = 10 ms per step plus b = 1 ms per batched
 token, a 512-token budget and 64 slots.  The model it stretches: tests/engine/test_ttft_model.py;
-what it measures over time: ``test_slo_class_drain.py``.
+the class-drain rules: ``test_slo_class_drain.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from sluice.engine.ttft_model import predict_ttft
 from sluice.errors import OverloadedError
 from sluice.http_errors import retry_after_header
-from sluice.server import admission
+from sluice.server import admission, admission_rates
 from sluice.server.slo import SloTargets
 from sluice.types import Priority
 from tests.server.conftest import until
@@ -52,7 +52,7 @@ def test_p0_sheds_just_enough_queued_p2_newest_first() -> None:
 
 def test_p1_sheds_only_requests_queued_a_moment_ago_p0_any() -> None:
     clock = FakeClock()
-    a = controller("p0=0.2s,p1=0.2s,p2=100s", clock)
+    a = controller("p0=0.2s,p1=0.2s,p2=100s", clock)  # p2: queued 2 s with no start, it still fits (NOTE(class-drain))
     a.observe_stats(stats())
     for i in range(3):
         a.admit(f"p2-{i}", Priority.P2, 116, 100)
@@ -60,7 +60,7 @@ def test_p1_sheds_only_requests_queued_a_moment_ago_p0_any() -> None:
     with pytest.raises(OverloadedError) as e:
         a.admit("p1", Priority.P1, 101, 100)  # 0.285 s with them, and they may not be shed for it
     assert e.value.code == "slo_unattainable" and a.num_queued == 3, "refused at once, nobody shed"
-    clock.now += 1.0
+    clock.now += 1.0  # the p1 refusal is 1 s old: p2 is admitted again (NOTE(refused-above))
     a.admit("p2-young", Priority.P2, 116, 100)
     clock.now += 0.005
     # p2-young sheds alone: 4 queued p2 -> 0.335 s; without it 0.285 s, still over 0.2 s
@@ -230,7 +230,24 @@ def test_higher_classes_on_a_lightly_loaded_engine_do_not_stretch_a_lower_class(
     assert a.num_queued == 1
 
 
-def test_overdue_lower_class_requests_are_shed_p0_never() -> None:
+def test_while_a_higher_class_is_refused_a_lower_class_is_refused_too() -> None:
+    clock = FakeClock()
+    a = controller("p0=1s,p1=0.2s,p2=100s", clock)
+    a.observe_stats(stats(num_waiting_by_priority=[0, 3, 0], num_prefill_tokens_by_priority=[0, 300, 0]))
+    with pytest.raises(OverloadedError):  # behind 300 p1 tokens: ~0.5 s, over 0.2 s
+        a.admit("p1", Priority.P1, 116, 100)
+    assert predict_ttft(a.load(), Priority.P2, 100) < 100, "by its own prediction the p2 would be admitted"
+    clock.now += 0.9
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p2", Priority.P2, 116, 100)
+    assert e.value.code == "slo_unattainable" and "p1 requests are being refused" in str(e.value)
+    assert a.admit("p0", Priority.P0, 116, 100).target == 1.0, "a higher class is not held back by a lower one"
+    clock.now += 0.2  # the p1 refusal is 1.1 s old
+    assert a.admit("p2", Priority.P2, 116, 100).predicted_ttft is not None
+
+
+def test_overdue_lower_class_requests_are_shed_p0_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission_rates, "DRAIN_MIN_BACKLOG_S", 100.0)  # the sweep alone (NOTE(class-drain) aside)
     clock = FakeClock()
     a = controller("p0=0.1s,p1=0.5s,p2=1s", clock)
     a.observe_stats(stats())

@@ -1,6 +1,5 @@
-"""Admission by what it measures over time: a lone class's queue as it drains (NOTE(measured-ceiling)),
-the higher classes' arrivals (NOTE(higher-arrivals)) and the P0 margin (NOTE(p0-margin)), in
-``sluice.server.admission``: a fake clock and an engine of known rates (``slo_fakes``)."""
+"""Admission by each class's measured drain (NOTE(class-drain) and the P0 margin, NOTE(p0-margin) in
+``sluice.server.admission``): a fake clock and an engine of known rates (``slo_fakes``)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ from sluice.types import Priority
 from tests.server.slo_fakes import FakeClock, controller, ran, stats
 
 
-def test_a_lone_class_that_does_not_drain_is_refused_past_the_longest_wait_whatever_the_model_says() -> None:
-    # NOTE(measured-ceiling): the engine stats show an idle engine, but the queued p2 has not started in 2 s
+def test_a_class_that_does_not_drain_is_refused_at_once_whatever_the_model_says() -> None:
+    # NOTE(class-drain): the engine stats show an idle engine, but the queued p2 has not started in 2 s
     clock = FakeClock()
-    a = controller("auto", clock)
-    a.max_queue_wait = 1.0
+    a = controller("p0=0.2s,p1=2s,p2=1s", clock)
     a.observe_stats(stats())
     a.admit("p2-a", Priority.P2, 116, 100)
     clock.now += 0.5
@@ -32,55 +30,61 @@ def test_a_lone_class_that_does_not_drain_is_refused_past_the_longest_wait_whate
     assert predict_ttft(a.load(), Priority.P2, 100) < 1.0, "the model alone would admit it"
     with pytest.raises(OverloadedError) as e:
         a.admit("p2-c", Priority.P2, 116, 100)
-    assert e.value.code == "wait_too_long" and a.num_queued == 2, "refused at arrival, not queued to expire"
+    assert e.value.code == "slo_unattainable" and a.num_queued == 2, "refused at arrival, not queued to expire"
     assert e.value.retry_after is not None and 4.0 < e.value.retry_after < 10.0, "Retry-After: the excess, jittered"
-    assert a.drain_wait(Priority.P0) == 0.0, "P0: the model"
+    assert a.drain_wait(Priority.P0) == 0.0 and a.admit("p0", Priority.P0, 116, 100).target == 0.2, "P0: the model"
     assert a.drain_wait(Priority.P1) == 0.0, "p1 never queued"
 
 
-def test_an_old_backlog_does_not_refuse_a_lone_class_on_an_idle_engine() -> None:
+def test_an_old_backlog_does_not_refuse_a_class_on_an_idle_engine() -> None:
     # NOTE(idle-drain): a p2 waited 4 s without starting (the engine stalled), then expired
     clock = FakeClock()
-    a = controller("auto", clock)
-    a.max_queue_wait = 2.0
+    a = controller("p0=0.2s,p1=2s,p2=2s", clock)
     a.observe_stats(stats())
     a.admit("stalled", Priority.P2, 116, 100)
     clock.now += 4.0
     a.remove("stalled")  # shed as overdue: no start was ever counted
-    assert a._drain[Priority.P2].wait(clock.now) > 2.0, "the drain rate alone still says the class is slow"
-    assert a.drain_wait(Priority.P2) == 0.0, "nothing of the class queued: nothing is ahead of a new one"
+    assert a.drain_wait(Priority.P2) > 2.0, "the drain alone still says the class is slow"
+    # the engine is idle and nothing of p2 or above is queued: the model decides, and admits
+    assert a.drain_wait(Priority.P2, a.load()) == 0.0
     assert a.admit("next", Priority.P2, 116, 100).predicted_ttft < 2.0
-    # one queued again: the measured drain applies to the one behind it
+    a.remove("next")
+    # with a higher class running in the engine the measured drain still applies: refused
+    a.observe_stats(stats(num_running_by_priority=[0, 3, 0], num_running=3))
+    assert a.drain_wait(Priority.P2, a.load()) > 2.0
     with pytest.raises(OverloadedError) as e:
-        a.admit("behind", Priority.P2, 116, 100)
-    assert e.value.code == "wait_too_long"
+        a.admit("behind-p1", Priority.P2, 116, 100)
+    assert e.value.code == "slo_unattainable"
 
 
-def test_a_lone_class_that_drains_fast_is_admitted_on_its_measured_rate() -> None:
+def test_a_class_that_drains_fast_is_admitted_on_its_measured_rate() -> None:
     clock = FakeClock()
-    a = controller("auto", clock)
-    a.max_queue_wait = 0.45
+    a = controller("p0=0.2s,p1=0.45s,p2=5s", clock)
     a.observe_stats(stats())
     a.admit("p1-0", Priority.P1, 20, 4)
     for i in range(1, 31):  # 3 s: a p1 arrives and one starts every 0.1 s, one always queued
         clock.now += 0.1
         a.admit(f"p1-{i}", Priority.P1, 20, 4)
         a.started(f"p1-{i - 1}")
-    assert a.drain_wait(Priority.P1) == pytest.approx(2 * 0.1, rel=0.05), "one queued ahead, 10 starts a second"
+    wait = a.drain_wait(Priority.P1)
+    assert wait == pytest.approx(2 * 0.1, rel=0.05), "one queued ahead, 10 starts a second"
+    assert a.predict(a.load(), Priority.P1, 4) == pytest.approx(wait), "over the model's near-zero wait"
     a.admit("p1-next", Priority.P1, 20, 4)
     for i in range(2):  # 0.3 s, 0.4 s
         a.admit(f"p1-more-{i}", Priority.P1, 20, 4)
     # 4 queued ahead: 0.5 s, over 0.45 s
-    with pytest.raises(OverloadedError) as e:
+    with pytest.raises(OverloadedError):
         a.admit("p1-last", Priority.P1, 20, 4)
-    assert e.value.code == "wait_too_long"
+    for key in ("p1-30", "p1-next", *(f"p1-more-{i}" for i in range(2))):
+        a.remove(key)  # finished or shed: not starts, the rate is unchanged
+    clock.now += 30.0
+    assert a.drain_wait(Priority.P1) == 0.0, "after 30 s with nothing queued the old backlog no longer counts"
 
 
-def test_a_lone_class_whose_oldest_request_waited_past_the_longest_wait_is_refused_at_once() -> None:
+def test_a_class_whose_oldest_request_waited_past_the_target_is_refused_at_once() -> None:
     # the class drained fast until now (its rate still says so), then stops: the oldest one's age tells at once
     clock = FakeClock()
-    a = controller("auto", clock)
-    a.max_queue_wait = 0.5
+    a = controller("p0=0.2s,p1=0.5s,p2=5s", clock)
     a.observe_stats(stats())
     for i in range(40):  # 2 s: a p1 every 50 ms, started at once
         a.admit(f"p1-{i}", Priority.P1, 20, 4)
@@ -93,7 +97,7 @@ def test_a_lone_class_whose_oldest_request_waited_past_the_longest_wait_is_refus
     assert a.drain_wait(Priority.P1) == pytest.approx(0.6), "the rate alone would say ~0.2 s"
     with pytest.raises(OverloadedError) as e:
         a.admit("p1-new", Priority.P1, 20, 4)
-    assert e.value.code == "wait_too_long"
+    assert e.value.code == "slo_unattainable"
     a.started("stuck")
     assert a.drain_wait(Priority.P1) < 0.5
     a.admit("p1-new", Priority.P1, 20, 4)
