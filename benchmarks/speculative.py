@@ -113,6 +113,8 @@ def bench_self(model: str, tokens: int, rounds: int) -> tuple[list[list[object]]
         "fp32 target": LLM(model, quantization="none"),
         "fp32 + self:q4, adaptive": LLM(model, quantization="none", speculative_config=SELF_Q4),
         "fp32 + self:q4, k=4": LLM(model, quantization="none", speculative_config={**SELF_Q4, "k_policy": "fixed"}),
+        "int8 target": LLM(model, quantization="int8"),
+        "int8 + self:q4, adaptive": LLM(model, quantization="int8", speculative_config=SELF_Q4),
         "Q4_1 path": LLM(model),
     }
     prompts = {m: _chat_ids(llm, QUESTIONS) for m, llm in modes.items()}
@@ -122,10 +124,11 @@ def bench_self(model: str, tokens: int, rounds: int) -> tuple[list[list[object]]
     base = res["fp32 target"]
     rows, out = [], {}
     for m, (tps, toks, spec) in res.items():
-        same = toks == base[1] if m.startswith("fp32") else "-"
-        rows.append([m, tps, tps / base[0], spec["accept_rate"] if spec["drafted"] else "-",
+        same = toks == base[1] if m.startswith("fp32") else (toks == res["int8 target"][1] if m.startswith("int8") else "-")
+        q4 = tps / res["Q4_1 path"][0]
+        rows.append([m, tps, tps / base[0], q4, spec["accept_rate"] if spec["drafted"] else "-",
                      spec["mean_accepted_len"] if spec["drafted"] else "-", f"{spec['mean_k']:.2f}", same])  # fmt: skip
-        out[m] = {"tok_s": tps, "speedup": tps / base[0], **spec, "same_tokens": same}
+        out[m] = {"tok_s": tps, "speedup": tps / base[0], "x_q4_1": q4, **spec, "same_tokens": same}
     return rows, out
 
 
@@ -466,9 +469,10 @@ def main() -> None:
                     f"{args.rounds} interleaved runs; 1-min load average {load0:.2f} at the start):", ""]  # fmt: skip
         if "self" in parts:
             rows, result["self"] = bench_self(args.model, args.tokens, args.rounds)
-            table = markdown_table(["c=1, chat", "tok/s", "x fp32", "accepted", "mean kept run", "mean k", "same tokens"], rows)
+            table = markdown_table(["c=1, chat", "tok/s", "x fp32", "x Q4_1 path", "accepted", "mean kept run", "mean k", "same tokens"], rows)
             print(table, "\n")
-            sections += ["Self-speculation: the fp32 target drafted by its own Q4_1 weights.", "", table, ""]
+            sections += ["Self-speculation: the fp32 and int8 targets drafted by the file's own Q4_1 weights "
+                         "(`same tokens`: against the same target without drafts).", "", table, ""]
         if "ngram" in parts:
             rows, result["ngram"] = bench_ngram(args.model, args.tokens, args.levels, args.rounds, args.prompts)
             table = markdown_table(["c", "input-grounded", "tok/s", "x off", "accepted", "mean kept run", "mean k",

@@ -66,10 +66,11 @@ LAYOUT_VERSION = 1  # bump when the packed layout or the manifest format changes
 RTN_RULES = 2  # int8/int4 at load: bump when what gets quantized changes (2: int8 heads, NOTE(int8-head))
 
 
-def _variant(quantization: str, quant_fallback: str, dtype: Any) -> str:
+def _variant(quantization: str, quant_fallback: str, dtype: Any, quantize_head: bool | None = None) -> str:
     fb = hashlib.sha256(quant_fallback.encode()).hexdigest()[:8]
     rules = f"-R{RTN_RULES}" if quantization in ("int8", "int4") else ""
-    return f"{quantization}-{fb}-{str(dtype).removeprefix('torch.')}-L{LAYOUT_VERSION}{rules}"
+    head = "" if quantize_head is None or quantization not in ("int8", "int4") else f"-H{int(quantize_head)}"
+    return f"{quantization}-{fb}-{str(dtype).removeprefix('torch.')}-L{LAYOUT_VERSION}{rules}{head}"
 
 
 def _atomic_dir_write(target: Path, files: dict[str, Any]) -> None:
@@ -116,6 +117,7 @@ def load_model(
     max_model_len: int | None = None,
     quantization: str = "none",
     quant_fallback: str = "auto",
+    quantize_head: bool | None = None,
 ) -> Any:
     """Build a ``LlamaForCausalLM`` with the weights of ``source`` on ``device``.
 
@@ -125,7 +127,8 @@ def load_model(
     it is).  ``quant_fallback`` keeps sensitive layers in float (see
     ``sluice.models.quant``).  Its ``max_positions`` (the context window the
     engine enforces) is ``max_model_len`` capped at the model's context, or by
-    default the model's context capped at 8192.
+    default the model's context capped at 8192.  ``quantize_head`` (int8/int4 at
+    load): quantize the LM head (a tied embedding) too; default: int8 yes, int4 no.
     """
     import torch
 
@@ -155,7 +158,7 @@ def load_model(
     if quantization == "auto" and fmt == "float":
         quantization = "none"  # a float checkpoint: auto serves it as it is
     check_fits_in_memory(source, fmt, quantization, torch.empty((), dtype=dtype).element_size())
-    variant = _variant(quantization, quant_fallback, dtype)
+    variant = _variant(quantization, quant_fallback, dtype, quantize_head)
     use_cache = source.kind == "gguf" or quantization != "none" or fmt != "float"
     if use_cache:
         max_cache_bytes()  # a bad SLUICE_MODEL_CACHE_MAX_GB fails here, before any work
@@ -188,7 +191,7 @@ def load_model(
             sd = load_hf_state_dict(source.path)
         report: dict[str, Any] = {}
     else:  # quantized weights, or an AWQ/GPTQ/sluice checkpoint dequantized exactly ('none')
-        raw_cfg, sd, report = _quantized_state_dict(source, quantization, quant_fallback)
+        raw_cfg, sd, report = _quantized_state_dict(source, quantization, quant_fallback, quantize_head)
     from sluice.kernels.qweight import QuantWeight
 
     if any(isinstance(v, QuantWeight) for v in sd.values()) and not _quantized_kernels_run_on(device):
@@ -256,12 +259,12 @@ def check_fits_in_memory(source: ModelSource, fmt: str, quantization: str, dtype
 
 
 def _quantized_state_dict(
-    source: ModelSource, quantization: str, quant_fallback: str
+    source: ModelSource, quantization: str, quant_fallback: str, quantize_head: bool | None = None
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     from sluice.models.quant import load_quantized_weights
 
     try:
-        sd, report = load_quantized_weights(source, quantization, quant_fallback)
+        sd, report = load_quantized_weights(source, quantization, quant_fallback, quantize_head=quantize_head)
     except ValueError as e:  # a bad combination (e.g. --quantization gguf on a HF folder)
         raise ModelLoadError(str(e)) from e
     return load_model_config(source), sd, report

@@ -113,3 +113,19 @@ def test_a_bad_bound_is_one_clear_error_before_any_work(tmp_path: Path, monkeypa
     with pytest.raises(ModelLoadError, match="number of GiB"):
         load_model(resolve_model(str(tiny_llama_dir)), torch.float32, quantization="int8")
     assert not (tmp_path / "models-v3").exists()
+
+
+def test_a_quantized_head_is_its_own_cache_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
+    """int4 at load keeps a float head unless asked (NOTE(int8-head)); a draft model asks (NOTE(draft-head)), and
+    the two conversions are cached apart: neither load is served the other's head."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    src = resolve_model(str(tiny_llama_dir))
+
+    def head_kind(model: torch.nn.Module) -> list[tuple[str, int | None]]:
+        return [(part["kind"], part.get("bits")) for part in model.manifest()["lm_head"]["parts"]]
+
+    for _ in range(2):  # converted, then read back from the cache
+        assert head_kind(load_model(src, torch.float32, quantization="int4", quant_fallback="none")) == [("fp32", None)]
+        quantized = load_model(src, torch.float32, quantization="int4", quant_fallback="none", quantize_head=True)
+        assert head_kind(quantized) == [("quant", 4)]
+    assert len([p for p in model_cache_root(src).iterdir() if p.is_dir()]) == 2

@@ -98,8 +98,12 @@ class DraftModel:
 
         t0 = time.monotonic()
         self.device = torch.device(config.device)
+        # NOTE(draft-head): an int4-at-load draft quantizes its LM head (a tied embedding) too: a float32 head is
+        # read whole for every drafted token, as many bytes as the int4 layers of a 1B model; the target checks
+        # every draft, so the head's rounding costs acceptance, never an answer
         self.model = load_model(source, dtype, config.device, max_model_len=config.max_model_len,
-                                quantization=quantization, quant_fallback="none")  # fmt: skip
+                                quantization=quantization, quant_fallback="none",
+                                quantize_head=True if quantization == "int4" else None)  # fmt: skip
         plan_kernels(self.model)
         cfg = self.model.cfg
         if cfg.vocab_size != vocab_size:
