@@ -4,9 +4,9 @@ Synchronous and single-threaded.  ``sluice serve`` runs it in its own process
 behind ZeroMQ; ``sluice.LLM`` drives it in-process.  It knows no exporter: it
 returns ``EngineOutput`` messages and ``make_stats()`` snapshots.
 
-Each step's kind (normal, or an express step of P0 prefills) and the rows the
-lower classes may hold come from its ``StepPlanner`` (``step_planner``), which
-owns the measured step time; the scheduler picks the requests (``scheduler``), the runner computes them
+Each step's token budget and kind (normal, or an express step of P0 prefills)
+come from its ``StepPlanner`` (``step_planner``), which owns the measured step
+time; the scheduler picks the requests (``scheduler``), the runner computes them
 (``model_runner``), and the scheduler applies the result.
 """
 
@@ -109,11 +109,13 @@ class EngineCore:
         self._pending_aborts: list[str] = []
         self._last_step_time = 0.0
         self._last_batched = 0
+        self._last_budget = config.max_num_batched_tokens
         self.planner = StepPlanner(config, self.scheduler)  # each step's size and kind, the step time
         self._arrivals: Callable[[], None] | None = None  # NOTE(mid-step-express): set_arrivals()
         self._publish: Callable[[list[EngineOutput]], None] | None = None
         self._mid_step_time = 0.0  # seconds the step in flight spent in nested express steps
         self._last_poll = 0.0
+        self._step_budget: int | None = None  # the step in flight's token budget
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request (grammars)
         self._compiling: dict[str, Request] = {}  # request_id -> a waiting request whose grammar compiles
         self.speculator: Speculator | None = None
@@ -311,17 +313,19 @@ class EngineCore:
         target = self.scheduler.tightest_ttft_target()  # NOTE(target-memory): one look a step
         planner = self.planner
         self.scheduler.row_cap = planner.row_cap(target)
-        express = planner.is_express()
+        budget = planner.token_budget(target)
+        express = planner.is_express(budget)
         if self.speculator is not None:  # NOTE(adaptive-k): drafts per running decode (an express step takes none)
             self.speculator.plan(self.scheduler, self.step_model)
-        sched = self.scheduler.schedule(planner.express_budget() if express else None, express)
+        sched = self.scheduler.schedule(planner.express_budget(budget) if express else budget, express)
         if express and sched.is_empty:  # the P0s could not start (no slot, no blocks): a normal step instead
             express = False
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(budget)
         if not sched.is_empty:
-            self._mid_step_time = 0.0
+            self._mid_step_time, self._step_budget = 0.0, budget
             outputs += self._run(sched, self._mid_step if planner.mid_step and not express else None)
             self._last_batched = sched.num_batched_tokens
+            self._last_budget = self.config.max_num_batched_tokens if budget is None else budget  # a normal step's
             t1 = self.scheduler.clock()
             if self._mid_step_time:  # the step's own time: the nested steps were observed on their own
                 t0 += self._mid_step_time
@@ -384,7 +388,8 @@ class EngineCore:
         """Between two layers of a normal step: start waiting P0s now, in an express step of their own.
 
         NOTE(mid-step-express): a P0 arriving while a step runs would wait for
-        the rest of that step and then for its express step.  The step in flight looks for arrivals between
+        the rest of that step (up to a third of its target at step boundaries only, NOTE(step-cap)) and
+        then for its express step.  The step in flight looks for arrivals between
         its layers (at most every ``MID_STEP_POLL_S``); waiting P0s get a step
         of their own that runs here, nested: the scheduler plans it from free slots and free blocks
         only (nothing in flight is touched), its first tokens are published at
@@ -401,9 +406,10 @@ class EngineCore:
         self._last_poll = now
         assert self._arrivals is not None and self._publish is not None
         self._arrivals()
+        budget = self._step_budget
         if self.scheduler.waiting.head(Priority.P0) is None or not self.planner.express_share_left():
             return False
-        sched = self.scheduler.schedule(self.planner.express_budget(), nested=True)
+        sched = self.scheduler.schedule(self.planner.express_budget(budget), nested=True)
         if sched.is_empty:
             return False
         t0 = self.scheduler.clock()
@@ -509,8 +515,8 @@ class EngineCore:
             step_time_base=self.step_model.base,
             step_time_per_token=self.step_model.per_token,
             step_time_per_seq=self.step_model.per_seq,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            express_budget=planner.express_budget() if self.config.express_steps else 0,
+            max_num_batched_tokens=self._last_budget,
+            express_budget=planner.express_budget(self._last_budget) if self.config.express_steps else 0,
             express_mid_step=planner.mid_step,
             max_num_seqs=sch.max_num_seqs,
             seq_limit_by_priority=[sch.seq_limit_for(p) for p in range(3)],

@@ -38,7 +38,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefills
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
-    token_budget: int = 0  # this step's budget: max_num_batched_tokens, or an express step's (NOTE(express-deadline))
+    token_budget: int = 0  # this step's budget (max_num_batched_tokens, or less to bound the step's time)
     express: bool = False  # only P0 prefills, no decodes (NOTE(express-step))
     prefill_tokens_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])
 

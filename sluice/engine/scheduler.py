@@ -16,7 +16,8 @@ One step (``schedule``):
 A higher class takes what it needs from running requests of *strictly lower*
 classes, lowest class and newest first:
 
-    slots    a waiting request with every ``max_num_seqs`` slot taken preempts one:
+    slots    a waiting request with every ``max_num_seqs`` slot taken preempts one
+             (lower classes leave the higher ones' recent peak free: NOTE(trunk-reservation));
              P0 always, a class with a TTFT target once it is behind it (NOTE(take-when-needed))
     blocks   a waiting request whose first chunk does not fit preempts until it does (the same)
     budget   a class facing an exhausted budget un-schedules lower classes'
@@ -44,6 +45,7 @@ is a ``SchedulerOutput`` (``sched_output``).  ``finish_requests`` ends others (a
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -57,7 +59,7 @@ from sluice.engine.protocol import EngineOutput, TokenLogprobs
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.request_queue import make_request_queue
 from sluice.engine.sched_output import ScheduledRequest, SchedulerOutput
-from sluice.engine.sched_signals import TARGET_MEMORY_S, CycleClock, TargetMemory
+from sluice.engine.sched_signals import TARGET_MEMORY_S, CycleClock, RunningPeaks, TargetMemory
 from sluice.types import Priority
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "BEHIND_FRACTION", "TARGET_MEMORY_S"]
@@ -115,6 +117,7 @@ class Scheduler:
         self.loading: list[Request] = []  # admitted, waiting for their KV blocks from a tier
         self.num_preemptions = 0
         self._targets = TargetMemory()  # NOTE(target-memory)
+        self._peaks = RunningPeaks(self.clock())  # NOTE(trunk-reservation)
         self._cycle = CycleClock()  # NOTE(behind)
         # rows a step may carry for the classes below P0 while tight targets are about (set by the
         # engine each step from its step time, NOTE(row-cap) in EngineCore); None: max_num_seqs
@@ -133,6 +136,11 @@ class Scheduler:
     def cycle_time(self) -> float:
         """Seconds from one ``schedule()`` to the next while busy (decaying mean)."""
         return self._cycle.cycle_time
+
+    @property
+    def peak_running(self) -> list[float]:
+        """Recent peak of running requests by class (decaying)."""
+        return self._peaks.peaks
 
     # ------------------------------------------------------------ lifecycle
 
@@ -199,7 +207,8 @@ class Scheduler:
     def _may_take_from_lower(self, req: Request, now: float) -> bool:
         """Whether ``req`` may preempt running requests of lower classes for a slot or blocks.
 
-        NOTE(take-when-needed): P0 always may, and so may a request with no TTFT target and any
+        NOTE(take-when-needed): P0 always may (its slots are kept free for it,
+        NOTE(trunk-reservation)), and so may a request with no TTFT target and any
         request under ``priority`` and ``fcfs``.  Under ``wfq`` a P1 with a target
         takes from P2 only once it is behind it (NOTE(behind)): until then a slot
         that frees goes by the WFQ shares.  Taking earlier threw the victims' work
@@ -266,13 +275,24 @@ class Scheduler:
         return waited > BEHIND_FRACTION * req.ttft_target or req.ttft_target - waited < BEHIND_STEPS * self.cycle_time
 
     def seq_limit_for(self, priority: int) -> int:
-        """The slots class ``priority`` may fill: ``max_num_seqs``; for a class below P0 while the
-        engine caps a step's rows (``row_cap``, NOTE(row-cap)), the cap less P0's running requests
-        (at least one).  ``_admit`` counts a lower class's holders without P0's."""
-        if priority == Priority.P0 or self.row_cap is None:
+        """Running requests class ``priority`` may be admitted up to: the slots not reserved for higher classes.
+
+        NOTE(trunk-reservation): preempting a lower class for a higher one throws
+        the victim's work away (recompute).  So P0's recent peak of running
+        requests, plus one, is kept free of lower-class admissions: a P0 then
+        preempts only when it bursts past that peak.  P1 and P2 share the rest by
+        WFQ; with no recent P0 nothing is reserved.  A lower class's limit counts
+        the holders of classes other than P0, under ``max_num_seqs``, and while the
+        engine bounds its steps (``row_cap``) at most the cap's rows beside P0's.
+        """
+        if priority == Priority.P0:
             return self.max_num_seqs
-        p0 = sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
-        return max(1, min(self.max_num_seqs, self.row_cap - p0))
+        peak = self.peak_running[Priority.P0]
+        limit = self.max_num_seqs if peak <= 0.0 else self.max_num_seqs - math.ceil(peak) - 1
+        if self.row_cap is not None:  # NOTE(row-cap): the step's rows, less P0's running requests
+            p0 = sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
+            limit = min(limit, self.row_cap - p0)
+        return max(1, limit)
 
     def tightest_ttft_target(self) -> float | None:
         """The smallest TTFT target of the requests added in the last ``TARGET_MEMORY_S`` seconds and of
@@ -321,6 +341,10 @@ class Scheduler:
         """
         express = express or nested
         budget = self.max_num_batched_tokens if token_budget is None else min(token_budget, self.max_num_batched_tokens)
+        # NOTE(bounded-slots): a budget bounded below max_num_batched_tokens (the
+        # engine's NOTE(step-cap)) still holds every running decode plus some
+        # prefill tokens; it does not shrink the slots (max_num_seqs), or a class
+        # with many short requests (P0 under load) would wait for slots instead.
         step = _Step(SchedulerOutput(express=express), budget, {}, self.clock(), express, nested)
         if not nested:
             self._cycle.observe(step.now)
@@ -328,6 +352,7 @@ class Scheduler:
         if not nested:
             self._admit_loaded()
         self.running.sort(key=self._order_key)
+        self._peaks.update(step.now, (*self.running, *self.loading))  # a loading request holds its slot
         # 1: running decodes, most urgent first, one token each
         for req in [r for r in self.running if r.is_prefill_done and not express]:
             if step.budget <= 0:
@@ -460,7 +485,7 @@ class Scheduler:
         lower = [r for r in self.running if r.priority > req.priority] if takes else []
         limit = self.seq_limit_for(req.priority)
         holders = len(self.running) + len(self.loading)
-        # a lower class's limit counts the holders of the classes other than P0 (seq_limit_for)
+        # P0's own holders sit in the slots kept for it: a lower class's limit counts the other classes only
         reserved = 0 if req.priority == Priority.P0 else sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
         if holders - len(lower) - reserved >= limit or holders - len(lower) >= self.max_num_seqs:
             return False  # every slot it may use is held by this class or a higher one

@@ -2,8 +2,8 @@
 
     target  = scheduler.tightest_ttft_target()
     scheduler.row_cap = planner.row_cap(target)     rows for the classes below P0   NOTE(row-cap)
-    express = planner.is_express()                  P0's prefills alone             NOTE(express-step)
-    budget  = planner.express_budget()              ... and how many of them        NOTE(express-deadline)
+    budget  = planner.token_budget(target)          the step's prefill tokens       NOTE(step-cap)
+    express = planner.is_express(budget)            P0's prefills alone             NOTE(express-step)
     ... the step runs ...
     planner.observe_step(...); planner.count_step(kind, seconds, tokens)
 
@@ -21,14 +21,15 @@ from sluice.engine.scheduler import Scheduler
 from sluice.engine.step_model import StepTimeModel
 
 __all__ = [
-    "StepPlanner", "NORMAL", "EXPRESS", "NESTED", "ROW_SHARE", "MID_STEP_ROW_SHARE", "ROW_PREFILL_TOKENS",
-    "MIN_STEP_ROWS", "EXPRESS_GAIN", "EXPRESS_SHARE", "EXPRESS_DECAY",
+    "StepPlanner", "NORMAL", "EXPRESS", "NESTED", "STEP_SHARE", "MIN_STEP_TOKENS", "MID_STEP_SHARE",
+    "MID_STEP_ROW_SHARE", "MIN_STEP_ROWS", "EXPRESS_GAIN", "EXPRESS_SHARE", "EXPRESS_DECAY",
 ]  # fmt: skip
 
-ROW_SHARE = 1.0 / 3.0  # share of the tightest recent TTFT target a step's rows may take (NOTE(row-cap))
-MID_STEP_ROW_SHARE = 2.0 / 3.0  # ... while express steps start mid-step
-ROW_PREFILL_TOKENS = 16  # ... beside a prefill of this many tokens
-MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slots
+STEP_SHARE = 1.0 / 3.0  # share of the tightest recent TTFT target one step may take (NOTE(step-cap))
+MIN_STEP_TOKENS = 16  # ... but a step may always batch this many prefill tokens
+MID_STEP_SHARE = 1.0 / 2.0  # STEP_SHARE while express steps start mid-step (NOTE(step-cap))
+MID_STEP_ROW_SHARE = 2.0 / 3.0  # ... of the target the rows may take while express steps start mid-step (NOTE(row-cap))
+MIN_STEP_ROWS = 8  # ... and the classes below P0 may always hold this many slots (NOTE(row-cap))
 EXPRESS_GAIN = 1.5  # an express step is taken when a normal step would take this many times longer (NOTE(express-step))
 EXPRESS_SHARE = 0.7  # ... and while express steps took less than this share of the recent step time
 EXPRESS_DECAY = 0.97  # per step: the memory of that share (~30 steps, about a second: a burst of P0s passes)
@@ -54,35 +55,54 @@ class StepPlanner:
 
     # ------------------------------------------------------------ step bounds
 
-    def row_cap(self, target: float | None) -> int | None:
-        """Rows a step may carry for the classes below P0 while tight TTFT targets are about (None: no cap).
+    def token_budget(self, target: float | None) -> int | None:
+        """The step's token budget: ``max_num_batched_tokens`` (None), or less while tight TTFT targets are
+        about (``target``: ``Scheduler.tightest_ttft_target()``).
 
-        NOTE(row-cap): a P0 arriving mid-step waits for the running step, and on a CPU each decode
-        row of it costs about what a prefill token does: many running decodes make a step longer
-        than a tight target allows.  So while targets are tight, the classes below P0 hold at most
-        the rows that fit ``ROW_SHARE`` of the tightest target beside a ``ROW_PREFILL_TOKENS``
-        prefill, by the measured step time (``MID_STEP_ROW_SHARE`` while express steps start
-        mid-step: a P0 then waits for the engine's next look, not for the step), never fewer than
-        ``MIN_STEP_ROWS`` (``Scheduler.seq_limit_for``).  P0 keeps every slot; the lower classes
-        wait for slots, which the admission's prediction sees.
+        NOTE(step-cap): a request arriving mid-step waits for that step to end, then for its own
+        prefill step.  While requests with a TTFT target have come in recently, a step's prefill
+        tokens are bounded so that the step takes ``STEP_SHARE`` of the tightest target (by the
+        measured step time; ``MID_STEP_SHARE`` while express steps start mid-step, since a P0 then
+        does not wait out the running step), never fewer than ``MIN_STEP_TOKENS``.  Every running
+        decode stays in the budget: bounding them would make requests wait for slots instead.
         """
         model = self.step_model
         if target is None or model.per_token <= 0.0:
             return None
-        share = MID_STEP_ROW_SHARE if self.mid_step else ROW_SHARE
-        room = share * target - model.predict(ROW_PREFILL_TOKENS, 1)
+        decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
+        fixed = model.predict(decodes, decodes + 1)  # every decode, and a prefilling sequence
+        share = MID_STEP_SHARE if self.mid_step else STEP_SHARE
+        prefill = max(MIN_STEP_TOKENS, int((share * target - fixed) / model.per_token))
+        return min(self.config.max_num_batched_tokens, decodes + prefill)
+
+    def row_cap(self, target: float | None) -> int | None:
+        """Rows a step may carry for the classes below P0 while tight TTFT targets are about (None: no cap).
+
+        NOTE(row-cap): the step cap bounds a step's prefill tokens, but the running decodes are the
+        rest of the step, one row each, and on a CPU a decode row costs about what a prefill token
+        does.  So the slots of the classes below P0 are bounded too: with ``MIN_STEP_TOKENS`` of
+        prefill, the rows that fit ``STEP_SHARE`` of the tightest target (``MID_STEP_ROW_SHARE``
+        while express steps start mid-step), never fewer than ``MIN_STEP_ROWS``
+        (``Scheduler.seq_limit_for``).  P0 keeps every slot; the lower classes wait for slots, which
+        the admission's prediction sees.
+        """
+        model = self.step_model
+        if target is None or model.per_token <= 0.0:
+            return None
+        share = MID_STEP_ROW_SHARE if self.mid_step else STEP_SHARE
+        room = share * target - model.predict(MIN_STEP_TOKENS, 1)
         per_row = model.per_token + model.per_seq
         return max(MIN_STEP_ROWS, int(room / per_row))
 
     # ------------------------------------------------------------ express steps
 
-    def is_express(self) -> bool:
+    def is_express(self, budget: int | None) -> bool:
         """Whether the next step runs P0's pending prefills alone (NOTE(express-step) in the scheduler).
 
         Only when a normal step (every running decode next to those prefills) would take
         ``EXPRESS_GAIN`` times as long as the prefills alone, by the measured step time, or could not
-        hold them next to every decode within ``max_num_batched_tokens`` (the P0s would wait two
-        steps), and while express steps took under ``EXPRESS_SHARE`` of the recent step time.
+        hold them next to every decode within the bounded budget (the P0s would wait two steps), and
+        while express steps took under ``EXPRESS_SHARE`` of the recent step time.
         """
         model = self.step_model
         if not self.express_share_left():
@@ -90,10 +110,10 @@ class StepPlanner:
         seqs, tokens = self.scheduler.urgent_prefill()
         if seqs == 0:
             return False
-        tokens = min(tokens, self.express_budget())
+        tokens = min(tokens, self.express_budget(budget))
         decodes = sum(1 for r in self.scheduler.running if r.is_prefill_done)
         alone = model.predict(tokens, seqs)
-        if tokens + decodes > self.config.max_num_batched_tokens:
+        if budget is not None and tokens + decodes > budget:
             return True  # a normal step would not hold every decode and this prefill: P0 would wait two steps
         normal = model.predict(tokens + decodes, seqs + decodes)
         return normal > EXPRESS_GAIN * alone
@@ -103,10 +123,12 @@ class StepPlanner:
         express, total = self.express_time
         return self.config.express_steps and self.step_model.per_token > 0.0 and express <= EXPRESS_SHARE * total
 
-    def express_budget(self) -> int:
-        """An express step's tokens: ``max_num_batched_tokens``, and no more than the P0s it can take
+    def express_budget(self, budget: int | None) -> int:
+        """An express step's tokens: twice the bounded budget (several P0 prompts in one step, not
+        chunked over two), at most ``max_num_batched_tokens``, and no more than the P0s it can take
         by their deadlines (NOTE(express-deadline))."""
         cap = self.config.max_num_batched_tokens
+        cap = cap if budget is None else min(cap, 2 * budget)
         return min(cap, self._deadline_tokens(cap))
 
     def _deadline_tokens(self, cap: int) -> int:

@@ -11,8 +11,9 @@ The wait, from the measured step time ``a + b * tokens + c * seqs`` (``step_mode
                     ``PRIORITY_WEIGHTS``; priority: every higher class; fcfs: everything), at
                     ``max_num_batched_tokens - decodes`` tokens a step; a P0 with express steps: its
                     own backlog alone, ``express_budget`` tokens a step (NOTE(express-prediction))
-    slot-bound      with every slot it may use held by its class or higher ones, the steps until
-                    enough of them free (NOTE(slot-turnover))
+    slot-bound      with every slot it may use held by its class or higher ones (P0's reserved slots
+                    aside, NOTE(trunk-reservation)), the steps until enough of them free
+                    (NOTE(slot-turnover))
 
 plus half the running step (a P0 with a free slot and mid-step express steps waits
 ``MID_STEP_WAIT_S`` instead).  Lower classes hold no slots, blocks or decode tokens against it (it takes
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 from sluice.engine.config import MID_STEP_POLL_S
 from sluice.engine.protocol import EngineStats
+from sluice.engine.sched_signals import reserved_seq_limit
 from sluice.types import PRIORITY_WEIGHTS, Priority
 
 __all__ = ["EngineLoad", "MID_STEP_WAIT_S", "express_request_seconds", "predict_ttft", "unloaded_ttft"]
@@ -123,16 +125,19 @@ def express_request_seconds(load: EngineLoad, num_prompt_tokens: float, num_outp
 
 
 def _slot_classes(c: int) -> slice:
-    """The classes whose slot holders count against class ``c``'s limit: P0 for P0; 1..c for the others
-    (the scheduler's slot check leaves P0's holders out of a lower class's count)."""
+    """The classes whose slot holders count against class ``c``'s limit: P0 for P0; 1..c for the others,
+    whose limit leaves P0's reserved slots out (NOTE(trunk-reservation))."""
     return slice(0 if c == 0 else 1, c + 1)
 
 
 def _seq_limit(load: EngineLoad, c: int) -> int:
-    """Running requests class ``c`` may be admitted up to, as the engine publishes it (``Scheduler.seq_limit_for``:
-    under the row cap, less P0's holders).  P0s queued since the stats are not counted as holding slots: they
-    run in express steps and free them fast (counted, the virtual-time prediction test missed its bound)."""
-    return load.max_num_seqs if load.seq_limit_by_priority is None else load.seq_limit_by_priority[c]
+    """Running requests class ``c`` may be admitted up to: the engine's published limit, lowered by the P0s
+    queued since the stats as the engine's reservation will be (NOTE(trunk-reservation))."""
+    limit = load.max_num_seqs if load.seq_limit_by_priority is None else load.seq_limit_by_priority[c]
+    p0 = load.num_running_by_priority[0] + load.num_waiting_by_priority[0]
+    if c > 0 and p0 > 0:
+        limit = min(limit, reserved_seq_limit(load.max_num_seqs, p0))
+    return limit
 
 
 def _slots_ahead(load: EngineLoad, c: int) -> int:
@@ -221,8 +226,8 @@ def predict_ttft(load: EngineLoad, priority: int, num_prompt_tokens: int,
     per_step = max(1.0, load.max_num_batched_tokens - decodes)
     if c == Priority.P0 and load.express_budget > 0:
         # NOTE(express-prediction): P0's prefills run in express steps (the engine's
-        # NOTE(express-step)): no decodes, no other class's prefill, ``express_budget`` tokens
-        # a step; between two of them the running decodes take a normal step
+        # NOTE(express-step)): no decodes, no other class's prefill, twice the budget;
+        # between two of them the running decodes take a normal step
         steps = max(1, math.ceil(own / load.express_budget))
         prefill_bound = (steps * load.step_time(0, 1) + load.step_time_per_token * own
                          + (steps - 1) * load.step_time(load.num_decoding, load.num_decoding))  # fmt: skip

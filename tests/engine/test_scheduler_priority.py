@@ -225,7 +225,7 @@ def test_step_budget_can_be_bounded_and_tight_targets_are_remembered_for_a_while
     while any(not r.is_prefill_done for r in sched.requests.values()):  # both get their first tokens
         apply(sched, sched.schedule())
     clock.now += TARGET_MEMORY_S + 0.01
-    assert sched.tightest_ttft_target() is None, "a target seen long ago no longer caps the rows"
+    assert sched.tightest_ttft_target() is None, "a target seen long ago no longer bounds the step"
 
 
 def test_a_tight_target_bounds_steps_while_its_request_waits_and_briefly_after() -> None:
@@ -252,6 +252,11 @@ def _engine(model: Path, **kw: object) -> EngineCore:
     args: dict[str, object] = {"model": str(model), "dtype": "float32", "kv_cache_memory": 8 << 20}
     args.update(kw)
     return EngineCore(**args)  # type: ignore[arg-type]
+
+
+def _budget(engine: EngineCore) -> int | None:
+    """The token budget ``EngineCore.step`` would plan with now (its one look at the tightest target)."""
+    return engine.planner.token_budget(engine.scheduler.tightest_ttft_target())
 
 
 def _row_cap(engine: EngineCore) -> int | None:
@@ -313,6 +318,36 @@ def test_step_time_model_recovers_base_and_per_token_cost() -> None:
     assert flat.base == 0.0 and flat.predict(100) == pytest.approx(0.12), "one size: all of it per token"
 
 
+def test_engine_bounds_its_steps_while_tight_targets_are_about(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, max_num_batched_tokens=512)
+    for n in (16, 256) * 4:
+        engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token
+    assert _budget(engine) is None, "no target seen: the full budget"
+    engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 400)), sampling=GREEDY,
+                                     priority=0, ttft_target=0.33))  # fmt: skip
+    assert _budget(engine) == 100, "a step may take a third of 0.33 s: (0.11 - 0.01) / 0.001 tokens"
+    engine.step()
+    assert engine.make_stats().max_num_batched_tokens == 100, "the stats report the bounded budget"
+
+
+def test_bounded_budget_keeps_every_decode_and_every_slot() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=16)
+    for i in range(12):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, num_tokens=4, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    assert len(sched.running) == 12
+    sched.add_request(make_request("p2-late", Priority.P2, num_tokens=4, arrival=30.0))
+    out = sched.schedule(token_budget=16)
+    ids = scheduled_ids(out)
+    assert all(ids[f"p2-{i}"] == 1 for i in range(12)) and ids["p2-late"] == 4, (
+        "12 decodes, and 4 prefill tokens left: a bounded budget does not shrink the slots (NOTE(bounded-slots))"
+    )
+    apply(sched, out)
+    sched.add_request(make_request("p0", Priority.P0, num_tokens=4, arrival=40.0))
+    out = sched.schedule(token_budget=13 + 4)
+    assert scheduled_ids(out)["p0"] == 4 and not out.preempted, "a free slot: the P0 preempts nobody"
+
+
 def test_express_step_runs_p0_prefills_alone() -> None:
     sched = create_scheduler(max_num_batched_tokens=256, max_num_seqs=16)
     for i in range(6):
@@ -345,16 +380,48 @@ def test_engine_takes_an_express_step_for_a_p0_among_many_decodes(tiny_llama: Pa
     engine.add_request(EngineRequest(request_id="p0", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
     # alone: 2 + 1 + 1 ms; next to the 12 decodes: 2 + 2.2 + 13 ms
-    assert engine.planner.is_express()
+    assert engine.planner.is_express(_budget(engine))
     outs = engine.step()
     assert engine.num_express_steps == 1 and [o.request_id for o in outs] == ["p0"], "the P0's first token, alone"
     stats = engine.make_stats()
     assert stats.steps_by_kind == [3, 1, 0] and stats.batched_tokens_by_kind[1] == 10, "NOTE(step-kinds) in core"
-    assert not engine.planner.is_express(), "nothing urgent left"
+    assert not engine.planner.is_express(_budget(engine)), "nothing urgent left"
     engine.add_request(EngineRequest(request_id="p0-b", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
     engine.planner.express_time = [0.75, 1.0]
-    assert not engine.planner.is_express(), "express steps took over 70% of the recent time: a normal step"
+    assert not engine.planner.is_express(_budget(engine)), "express steps took over 70% of the recent time: a normal step"
+
+
+def test_lower_classes_leave_p0s_recent_peak_of_slots_free() -> None:
+    clock = FakeClock(100.0)
+    sched = create_scheduler(max_num_seqs=8, max_num_batched_tokens=256, clock=clock)
+    for i in range(3):
+        sched.add_request(make_request(f"p0-{i}", Priority.P0, max_tokens=2, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    apply(sched, sched.schedule())  # the P0s finish; their peak (3) is remembered
+    assert not sched.running and sched.peak_running[0] >= 2.9
+    for i in range(8):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, arrival=20.0 + i))
+    apply(sched, sched.schedule())
+    assert len(sched.running) == 8 - 3 - 1, "P2 fills only the slots P0's recent peak (+1) does not need"
+    sched.add_request(make_request("p0-new", Priority.P0, arrival=30.0))
+    out = sched.schedule()
+    assert "p0-new" in scheduled_ids(out) and not out.preempted, "a P0 within its peak finds a slot: nothing recomputed"
+    clock.now += 60.0
+    sched.schedule()
+    assert sched.seq_limit_for(Priority.P2) >= 8 - 1 - 1, "the reservation fades with P0's traffic"
+
+
+def test_running_p0s_sit_in_their_reserved_slots_not_in_the_lower_classes() -> None:
+    sched = create_scheduler(max_num_seqs=8, max_num_batched_tokens=256, clock=FakeClock(100.0))
+    for i in range(3):
+        sched.add_request(make_request(f"p0-{i}", Priority.P0, max_tokens=40, arrival=10.0 + i))
+    apply(sched, sched.schedule())
+    for i in range(8):
+        sched.add_request(make_request(f"p2-{i}", Priority.P2, arrival=20.0 + i))
+    apply(sched, sched.schedule())
+    p2 = [r for r in sched.running if r.priority == Priority.P2]
+    assert len(sched.running) == 7 and len(p2) == 8 - 3 - 1, "3 P0s run in their reserved slots; P2 gets the other 4"
 
 
 def test_an_express_step_that_cannot_start_its_p0_falls_back_to_a_normal_step(tiny_llama: Path) -> None:
@@ -367,7 +434,7 @@ def test_an_express_step_that_cannot_start_its_p0_falls_back_to_a_normal_step(ti
         engine.step_model.observe(n, 0.002 + 0.0001 * n + 0.005 * q, q)  # c = 5 ms / seq
     engine.add_request(EngineRequest(request_id="p0-late", prompt_token_ids=list(range(5, 15)), sampling=GREEDY,
                                      priority=0, ttft_target=0.5))  # fmt: skip
-    assert engine.planner.is_express(), "a P0 is waiting and decodes are running"
+    assert engine.planner.is_express(_budget(engine)), "a P0 is waiting and decodes are running"
     outs = engine.step()  # both slots held by P0s: the express step is empty, so the decodes run
     assert sorted(o.request_id for o in outs) == ["p0-0", "p0-1"] and engine.num_express_steps == 0
 
@@ -426,7 +493,7 @@ def test_engine_caps_the_rows_of_a_step_while_tight_targets_are_about(tiny_llama
     assert _row_cap(engine) == 8, "a target too tight for any row: MIN_STEP_ROWS still run"
 
 
-def test_with_mid_step_express_steps_the_rows_take_two_thirds_of_the_target(tiny_llama: Path) -> None:
+def test_with_mid_step_express_steps_the_rows_take_two_thirds_of_the_target_and_a_step_half(tiny_llama: Path) -> None:
     engine = _engine(tiny_llama, max_num_batched_tokens=512)
     for n in (16, 256) * 4:
         engine.step_model.observe(n, 0.01 + 0.001 * n)  # a = 10 ms, b = 1 ms / token (a row costs b)
@@ -436,15 +503,18 @@ def test_with_mid_step_express_steps_the_rows_take_two_thirds_of_the_target(tiny
     engine.set_arrivals(lambda: None, lambda outs: None)  # as the engine core process does: express steps mid-step
     # NOTE(row-cap): two thirds of 0.33 s = 220 ms, less the 26-ms step: 194 rows (a P0 does not wait out the step)
     assert _row_cap(engine) in (193, 194)
+    # NOTE(step-cap): the prefill tokens, half of 0.33 s = 165 ms less the 10-ms fixed cost: 155 tokens
+    assert _budget(engine) in (154, 155)
     engine.config.express_mid_step = False  # --no-express-mid-step
-    assert _row_cap(engine) == 84, "at step boundaries only: a third of the target"
+    assert _row_cap(engine) == 84
+    assert _budget(engine) == 100, "at step boundaries only: a third of the target"
 
 
 def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_llama: Path) -> None:
     """NOTE(express-deadline): where a step's time grows with its prompts, a burst is split so the oldest
     P0s make their target; a P0 already past saving does not bound the step."""
-    engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=48)
-    for i in range(30):  # 30 decodes beside 40 P0 tokens: 80 ms, against 50 ms alone (an express step)
+    engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=32)
+    for i in range(12):
         engine.add_request(EngineRequest(request_id=f"p2-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY, priority=2))
     for _ in range(3):
         engine.step()
@@ -464,7 +534,9 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     for i in range(4):
         p0(f"p0-{i}", now)
     known_model()
-    assert engine.planner.express_budget() == 40, "two P0s end at 50 ms, within 60; a third would end at 70"
+    budget = _budget(engine)
+    assert budget is not None and 2 * budget > 40, "twice the bounded budget would start a third P0's prefill"
+    assert engine.planner.express_budget(budget) == 40, "two P0s end at 50 ms, within 60; a third would end at 70"
     outs = engine.step()
     assert engine.num_express_steps == 1
     assert {o.request_id for o in outs if o.new_token_ids} == {"p0-0", "p0-1"}, "the two oldest, whole"
@@ -472,7 +544,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     # 20 ms later: the third alone ends at 50 ms, within its 60; with the fourth at 70 ms
     now += 0.02
     known_model()
-    assert engine.planner.express_budget() == 20
+    assert engine.planner.express_budget(_budget(engine)) == 20
     outs = engine.step()
     assert {o.request_id for o in outs if o.new_token_ids} == {"p0-2"}
 
@@ -482,7 +554,7 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     p0("late", now - 0.1)
     for rid in ("a", "b", "c"):
         p0(rid, now)
-    assert engine.planner.express_budget() == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
+    assert engine.planner.express_budget(_budget(engine)) == 40, "late + a end at 50 ms (a on time); + b: 70 ms"
     # a prompt whose first block is cached counts only what is left to compute
     engine.add_request(EngineRequest(request_id="again", prompt_token_ids=engine.scheduler.requests["p0-0"].prompt_token_ids,
                                      sampling=GREEDY, priority=0, ttft_target=0.06, arrival_time=now))  # fmt: skip
@@ -490,4 +562,26 @@ def test_an_express_step_takes_only_the_p0s_it_can_serve_by_their_deadline(tiny_
     # with a target they all meet, the step takes them all (the budget is the cap)
     for r, _ in engine.scheduler.p0_prefills():
         r.ttft_target = 1.0
-    assert engine.planner.express_budget() == 512
+    budget = _budget(engine)
+    assert engine.planner.express_budget(budget) == min(512, 2 * budget)
+
+
+def test_express_step_when_a_bounded_normal_step_cannot_hold_the_p0s(tiny_llama: Path) -> None:
+    engine = _engine(tiny_llama, max_num_batched_tokens=512, max_num_seqs=32)
+    for i in range(12):
+        engine.add_request(EngineRequest(request_id=f"p2-{i}", prompt_token_ids=[5 + i] * 8, sampling=GREEDY, priority=2))
+    for _ in range(3):
+        engine.step()
+    engine.step_model = StepTimeModel()  # only the known rates below: the real steps' times vary with the machine
+    for n, q in ((16, 16), (200, 4), (12, 12), (64, 2)) * 4:
+        engine.step_model.observe(n, 0.01 + 0.001 * n, q)  # a = 10 ms, b = 1 ms / token: a decode row is cheap
+    for i in range(4):
+        engine.add_request(EngineRequest(request_id=f"p0-{i}", prompt_token_ids=list(range(5 + i, 35 + i)),
+                                         sampling=GREEDY, priority=0, ttft_target=0.3))  # fmt: skip
+    budget = _budget(engine)
+    assert budget is not None and budget < 12 + 4 * 30, "the bounded budget cannot hold 12 decodes and 120 P0 tokens"
+    # alone 130 ms against 142 ms next to the decodes: under EXPRESS_GAIN, but a normal step would chunk the P0s
+    assert engine.planner.is_express(budget)
+    assert engine.planner.express_budget(budget) == min(512, 2 * budget), "an express step batches twice the budget"
+    engine.step()
+    assert engine.num_express_steps == 1

@@ -87,8 +87,8 @@ def test_a_lower_class_backlog_does_not_run_in_the_steps_a_class_waits_through_f
     assert predict_ttft(load, Priority.P2, 100) > 12 * (step + 0.001 * 1000 / 12), "a P2 waits through its own backlog"
 
 
-def test_p0_holders_count_against_a_lower_class_once_in_its_published_limit() -> None:
-    # 8 slots, the engine publishes P1's limit as 4 (its row cap less P0's 3); 3 P0s and 3 P1s run: a P1 finds a slot
+def test_p0_holders_do_not_count_against_a_lower_class_limit() -> None:
+    # 8 slots, P0's peak of 3 (+1) reserved: P1 may hold 4; 3 P0s and 3 P1s run, so a P1 finds a slot
     s = stats(num_running_by_priority=[3, 3, 0], num_running=6, num_decoding=6, max_num_seqs=8,
               seq_limit_by_priority=[8, 4, 4], running_slots=[[0, 1, 15]] * 3 + [[1, 1, 15]] * 3)  # fmt: skip
     load = EngineLoad.from_stats(s, policy="wfq", mean_output_tokens=16, max_num_batched_tokens=512, max_num_seqs=8)
@@ -154,4 +154,3 @@ def test_the_model_loads_without_torch() -> None:
     """The API process imports the model (and its admission): neither may pull torch in."""
     code = "import sys, sluice.engine.ttft_model, sluice.server.admission; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0, "torch imported by the TTFT model"
-
