@@ -12,7 +12,8 @@ docs/design/overload.md and docs/benchmarks.md.
 
 NOTE(lone-class): a derived target (NOTE(auto-slo) in ``slo``) binds only while another class is active
 beside the request's (for P1/P2 a higher one, for P0 a lower one; active: queued, in the engine, or
-admitted in the last ``ACTIVE_WINDOW_S``).  A lone class's derived target protects nobody, and refusing a
+admitted or asking in the last ``ACTIVE_WINDOW_S``: a class whose every request is refused still has clients
+waiting, and at 5x, counting admissions only, P0 was held alone to the longest wait and queued for 5-6 s).  A lone class's derived target protects nobody, and refusing a
 load the engine can serve comes back as resent requests (issue 57).  Alone, a class is refused only past
 ``max_queue_wait`` (code ``wait_too_long``) or the hard bounds, and carries that bound to the engine as
 its target so the engine does not cap its rows for it (NOTE(row-cap)).  ``--slo`` targets always bind.
@@ -173,6 +174,7 @@ class AdmissionController:
         self._floor = [0.0 for _ in Priority]  # ... and that refusal's 1-token best case (NOTE(early-shed))
         self._floor_by_ceiling = [False for _ in Priority]  # ... against max_queue_wait, not the target
         self._admitted_at = [float("-inf") for _ in Priority]  # last admission by class (NOTE(lone-class))
+        self._asked_at = [float("-inf") for _ in Priority]  # last request by class, admitted or not (NOTE(lone-class))
         self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
         self._p0_margin = (1.0, 0.0)  # ... the factor on P0's predictions it set, and when
@@ -347,6 +349,7 @@ class AdmissionController:
               prompts: Sequence[Sequence[int]] = ()) -> Decision:
         """Admit ``key`` or raise ``OverloadedError``; the decision names the keys shed to make room
         (``prompts``, the token ids, only the lanes' choice reads: NOTE(lane-prefix) in sluice.server.lanes)."""
+        self._asked_at[priority] = self._clock()
         if num_tokens > self.max_tokens:
             raise OverloadedError(
                 f"request needs {num_tokens} queued tokens, over the server's limit of "
@@ -405,10 +408,11 @@ class AdmissionController:
         return not self._queued and (self._stats is None or not _has_work(self._stats))
 
     def is_active(self, priority: int, load: EngineLoad, now: float) -> bool:
-        """Whether the class has requests queued here or in the engine, or was admitted in the last
+        """Whether the class has requests queued here or in the engine, or was admitted or asked in the last
         ``ACTIVE_WINDOW_S`` (NOTE(lone-class))."""
         return bool(load.num_running_by_priority[priority] or load.num_waiting_by_priority[priority]
-                    or self._drain[priority].queued or now - self._admitted_at[priority] < ACTIVE_WINDOW_S)  # fmt: skip
+                    or self._drain[priority].queued or now - self._admitted_at[priority] < ACTIVE_WINDOW_S
+                    or now - self._asked_at[priority] < ACTIVE_WINDOW_S)  # fmt: skip
 
     def target_binds(self, priority: Priority, load: EngineLoad, now: float) -> bool:
         """Whether a request of the class is refused past its class's target, or only past ``max_queue_wait``:
@@ -488,6 +492,7 @@ class AdmissionController:
         gets before it is parsed, or None: parse it and admit it as usual.  The rules: NOTE(early-shed) in
         sluice.server.early_shed."""
         now = self._clock()
+        self._asked_at[priority] = now
         refused = self._refused_above(priority, now)
         if refused is not None or max_prompt_tokens is None or not self.has_floor(priority):
             return refused

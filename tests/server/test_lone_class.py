@@ -136,3 +136,21 @@ async def test_the_server_queues_a_lone_class_by_default_and_honours_max_queue_w
         assert (await first).status_code == 200
         late = await queued  # ~3 s behind the first: past 2 x the ceiling it is shed as overdue (NOTE(overdue))
         assert late.status_code == 200 or late.json()["error"]["code"] == "expired", late.text
+
+
+def test_a_class_refused_every_time_still_counts_beside_p0() -> None:
+    """At 5x every P1/P2 is refused; counted by admissions alone, P0 looked lone, was held to the longest wait
+    only and queued for seconds.  A class that asked in the last ``ACTIVE_WINDOW_S`` is active (NOTE(lone-class))."""
+    clock = FakeClock()
+    a = controller("auto", clock)
+    a.observe_stats(stats(num_running_by_priority=[0, 0, 0], num_waiting_by_priority=[40, 0, 0],
+                          num_prefill_tokens_by_priority=[40_000, 0, 0]))  # fmt: skip
+    alone = a.admit("p0-alone", Priority.P0, 116, 100)
+    assert alone.target == a.max_queue_wait, "no other class asked: P0 alone is queued and served"
+    a.remove("p0-alone")
+    assert a.refuse_early(Priority.P2) is None  # a P2 asks (here refused by nothing: it only asks)
+    with pytest.raises(OverloadedError) as e:
+        a.admit("p0-beside", Priority.P0, 116, 100)
+    assert e.value.code == "slo_unattainable", "beside a class that asks, P0's derived target binds"
+    clock.now += admission.ACTIVE_WINDOW_S + 0.1
+    assert a.admit("p0-later", Priority.P0, 116, 100).target == a.max_queue_wait, "the P2s stopped asking"
