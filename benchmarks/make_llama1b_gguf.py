@@ -213,7 +213,9 @@ def _copy_tokenizer(writer: Any, reader: Any) -> None:
 
 
 def _metadata(w: Any, shape: Shape, qtype: str, vocab: int, reader: Any) -> None:
-    w.add_name(f"{shape.arch} {shape.hidden}x{shape.layers} random weights ({qtype}, sluice benchmark)")
+    # no architecture in the name: llama.cpp sets phi-3's special-token attributes by ``general.name`` and looks
+    # up "</s>" and "<unk>", which this (SmolLM2) vocabulary lacks, so llama-server would not load the file
+    w.add_name(f"sluice benchmark shape {shape.hidden}x{shape.layers}, random weights ({qtype})")
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
     w.add_block_count(shape.layers)
