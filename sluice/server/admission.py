@@ -11,10 +11,11 @@ it within, else it gets 429 with a jittered ``Retry-After``.  Then the hard boun
 docs/design/overload.md and docs/benchmarks.md.
 
 NOTE(lone-class): a derived target (NOTE(auto-slo) in ``slo``) binds only while another class is active
-beside the request's (for P1/P2 a higher one, for P0 a lower one; active: queued, in the engine, or
-admitted or asking in the last ``ACTIVE_WINDOW_S``: a class whose every request is refused still has clients
-waiting, and at 5x, counting admissions only, P0 was held alone to the longest wait and queued for 5-6 s).  A lone class's derived target protects nobody, and refusing a
-load the engine can serve comes back as resent requests (issue 57).  Alone, a class is refused only past
+beside the request's (for P1/P2 a higher one, for P0 a lower one; active: queued, in the engine, or asking
+(admitted or not) in the last ``ACTIVE_WINDOW_S``: a class whose every request is refused still has clients
+waiting; counting admissions only, P0 at 5x looked alone, was held to the longest wait and queued for 5-6 s).
+A lone class's derived target protects nobody, and refusing a load the engine can serve comes back as resent
+requests (issue 57).  Alone, a class is refused only past
 ``max_queue_wait`` (code ``wait_too_long``) or the hard bounds, and carries that bound to the engine as
 its target so the engine does not cap its rows for it (NOTE(row-cap)).  ``--slo`` targets always bind.
 
@@ -91,7 +92,7 @@ SHED_MAX_AGE_S = 0.02  # a queued request older than this is shed only for P0 or
 OVERDUE_FACTOR = 2.0  # a queued P1/P2 request is shed after this many times its target (NOTE(overdue))
 OVERDUE_SWEEP_S = 0.05  # the overdue sweep runs at most this often
 REFUSED_ABOVE_S = 1.0  # a higher class refused this recently: a lower class is refused (NOTE(refused-above))
-ACTIVE_WINDOW_S = RATE_WINDOW_S  # a class admitted this recently is active beside another (NOTE(lone-class))
+ACTIVE_WINDOW_S = RATE_WINDOW_S  # a class that asked this recently is active beside another (NOTE(lone-class))
 EARLY_SHED_S = 0.25  # a class's last refusal, less the time since, refuses before parsing this long (NOTE(early-shed))
 MAX_HIGHER_LOAD = 0.95  # rho is capped here: a wait 20x the prediction, past any target (NOTE(higher-arrivals))
 GPS_ITERATIONS = 6  # predictions a wfq wait may take to settle (NOTE(gps-arrivals))
@@ -173,7 +174,6 @@ class AdmissionController:
         self._refused_at = [float("-inf") for _ in Priority]  # last refusal by predicted wait, by class
         self._floor = [0.0 for _ in Priority]  # ... and that refusal's 1-token best case (NOTE(early-shed))
         self._floor_by_ceiling = [False for _ in Priority]  # ... against max_queue_wait, not the target
-        self._admitted_at = [float("-inf") for _ in Priority]  # last admission by class (NOTE(lone-class))
         self._asked_at = [float("-inf") for _ in Priority]  # last request by class, admitted or not (NOTE(lone-class))
         self._drain = [ClassDrain() for _ in Priority]  # NOTE(class-drain)
         self.p0_miss_share = 0.0  # admitted P0s past their target, exponentially weighted (NOTE(p0-margin))
@@ -396,7 +396,6 @@ class AdmissionController:
         self._seq += 1
         self._queued[key] = _Entry(key, priority, num_tokens, prompt, self._seq, now, bound)
         self._num_tokens += num_tokens
-        self._admitted_at[priority] = now
         self._drain[priority].add(key, now)
         self._admitted[priority].tick(now)
         self._admitted_fast[priority].tick(now)
@@ -408,11 +407,10 @@ class AdmissionController:
         return not self._queued and (self._stats is None or not _has_work(self._stats))
 
     def is_active(self, priority: int, load: EngineLoad, now: float) -> bool:
-        """Whether the class has requests queued here or in the engine, or was admitted or asked in the last
+        """Whether the class has requests queued here or in the engine, or asked (admitted or not) in the last
         ``ACTIVE_WINDOW_S`` (NOTE(lone-class))."""
         return bool(load.num_running_by_priority[priority] or load.num_waiting_by_priority[priority]
-                    or self._drain[priority].queued or now - self._admitted_at[priority] < ACTIVE_WINDOW_S
-                    or now - self._asked_at[priority] < ACTIVE_WINDOW_S)  # fmt: skip
+                    or self._drain[priority].queued or now - self._asked_at[priority] < ACTIVE_WINDOW_S)  # fmt: skip
 
     def target_binds(self, priority: Priority, load: EngineLoad, now: float) -> bool:
         """Whether a request of the class is refused past its class's target, or only past ``max_queue_wait``:
