@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -80,14 +81,39 @@ def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
     tag = f"sluice_{name}_{digest[3:]}_{hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]}"
     build = _cache_root() / tag
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_load(
-        name=tag,
-        sources=[str(s) for s in sources],
-        extra_cflags=[*flags, f"-D{SOURCE_HASH_MACRO}={digest}"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        verbose=False,
-    )
+    with _build_lock(build):
+        return cpp_load(
+            name=tag,
+            sources=[str(s) for s in sources],
+            extra_cflags=[*flags, f"-D{SOURCE_HASH_MACRO}={digest}"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold the build directory ``build`` alone, clearing the lock file a killed build left behind.
+
+    NOTE(stale-baton): torch's ``cpp_extension.load`` guards a build directory with a plain
+    ``lock`` file that only the builder removes: a build killed midway (a timeout, the OOM
+    killer, Ctrl-C) leaves it, and every later load of that directory waits for it forever,
+    on every start of every venv sharing the cache (NOTE(jit-cache)).  Here every builder first
+    takes an ``flock`` on ``<build>/sluice.flock``, which the kernel releases when its holder
+    dies, so while it is held no live sluice build owns ``lock``: one found then is stale."""
+    import fcntl
+
+    with open(build / "sluice.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # waits for a live build of this directory, never for a dead one
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("kernel build %s: removing the lock a killed build left (NOTE(stale-baton))", build.name)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _built_digests(module: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -31,6 +32,15 @@ def test_jit_fallback_builds_once_and_runs() -> None:
     # machine, so this compiles at most once per machine and source version.  Only the
     # attention extension is built (~75 s on a 2-core EPYC): ``ext.status()`` with no
     # names would JIT-build quant and lora too, ~250 s in all on a fresh CI machine.
+    # NOTE(stale-baton): the lock file of a build killed midway sits in the shared directory;
+    # the build must not wait for it (without the flock in ext._build_lock it waits forever).
+    import torch
+
+    digest = source_hash("attention", ext.csrc_dir())
+    tag = f"sluice_attention_{digest[3:]}_{hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]}"
+    build = ext._cache_root() / tag
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "lock").touch()
     code = (
         "import json, torch; from sluice.kernels import ext; m = ext.load('attention');"
         "print(json.dumps(ext.status('attention')))"
@@ -44,6 +54,35 @@ def test_jit_fallback_builds_once_and_runs() -> None:
     assert list(status) == ["attention"], status
     info = status["attention"]
     assert info["how"] == "jit" and "kernels" in info["path"], info
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_build_is_waited_for(tmp_path: Path) -> None:
+    # NOTE(stale-baton): torch's `lock` file left by a dead build is removed; a live build
+    # (one holding the flock) is waited for, and its `lock` is not touched meanwhile
+    import fcntl
+    import threading
+
+    build = tmp_path / "sluice_attention_x"
+    build.mkdir()
+    (build / "lock").touch()
+    with ext._build_lock(build):
+        assert not (build / "lock").exists(), "the dead build's lock file is gone"
+        (build / "lock").touch()  # this build's own baton, as cpp_extension takes it
+        entered = threading.Event()
+
+        def second() -> None:
+            with ext._build_lock(build):
+                entered.set()
+
+        t = threading.Thread(target=second, daemon=True)
+        t.start()
+        assert not entered.wait(0.3), "a second build waits while the first holds the directory"
+        assert (build / "lock").exists(), "and leaves the live build's lock alone"
+        (build / "lock").unlink()  # the first build releases its baton
+    assert entered.wait(5.0), "the second build goes on once the first is done"
+    t.join(5.0)
+    with open(build / "sluice.flock", "a") as fh:  # nobody holds it afterwards
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_unknown_extension_is_a_clear_error() -> None:
