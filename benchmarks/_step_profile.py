@@ -73,14 +73,28 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def kernel_threads() -> int:
+    """The threads the kernels run on: the work pool's when the engine set one up (it leaves torch's own
+    ops one thread, NOTE(work-pool)), else torch's."""
+    from sluice.kernels import ext
+
+    return ext.work_pool_threads() or torch.get_num_threads()
+
+
 def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
-    """GB/s of one pass over a buffer larger than any cache (sum of float32), best of 3."""
+    """GB/s of one pass over a buffer larger than any cache (sum of float32), best of 3, on as many
+    threads as the kernels use (an engine built before it leaves torch one thread)."""
     x = torch.ones(num_bytes // 4)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, kernel_threads()))
+    try:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
     return num_bytes / best / 1e9
 
 
@@ -179,7 +193,7 @@ def step_profile(model: str, batch: int, ctx: int = PROMPT_TOKENS, steps: int = 
     gemm_s = sec["layers"] - sec["attention"] + sec["head"]
     wbytes = weight_bytes(net)
     result = {
-        "batch": batch, "context": ctx, "threads": torch.get_num_threads(),
+        "batch": batch, "context": ctx, "threads": kernel_threads(),
         "quantization": getattr(runner, "quantization", "none"), "kernel_path": getattr(runner, "kernel_path", ""),
         "step_ms": step_ms, "breakdown_ms": ms,
         "weight_mb": wbytes / 1e6,

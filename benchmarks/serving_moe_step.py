@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks._report import machine_line, markdown_table, print_json_last  # noqa: E402
-from benchmarks._step_profile import _prompts, read_bandwidth_gb_s  # noqa: E402
+from benchmarks._step_profile import _prompts, kernel_threads, read_bandwidth_gb_s  # noqa: E402
 
 
 def copy_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:
@@ -171,7 +171,7 @@ def measure(model: str, batch: int, steps: int, arms: list[str], profile: bool) 
         core.step()
     for _ in range(2):
         core.step()
-    out: dict[str, Any] = {"batch": batch, "threads": torch.get_num_threads(), "kernel_path": core.runner.kernel_path,
+    out: dict[str, Any] = {"batch": batch, "threads": kernel_threads(), "kernel_path": core.runner.kernel_path,
                            "arms": {arm: measure_arm(core, arm, steps) for arm in arms}}  # fmt: skip
     if profile:
         from torch.profiler import ProfilerActivity
