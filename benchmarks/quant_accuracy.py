@@ -103,11 +103,10 @@ class Runner:
         sd, self.report = load_quantized_weights(resolve_model(model), path.quantization, path.fallback, group_size=path.group_size, **extra)
         common: dict[str, Any] = {"dtype": "float32", "enable_prefix_caching": False, "max_model_len": max_len, "max_num_seqs": 64}
         self.dense: dict[str, torch.Tensor] | None = None
-        if native:  # the engine's own quantized path (kernels)
-            kw: dict[str, Any] = {"quantization": path.quantization, "quant_fallback": path.fallback}
-            if path.group_size is not None:
-                kw["quant_group_size"] = path.group_size
-            self.llm = LLM(model, **common, **kw)
+        # the engine quantizes at load in groups of 32 only: another group size is scored on the reference path
+        self.native = native and path.group_size in (None, 32)
+        if self.native:  # the engine's own quantized path (kernels)
+            self.llm = LLM(model, **common, quantization=path.quantization, quant_fallback=path.fallback)
         else:  # exact dequantized weights swapped into one shared float32 engine
             if shared is None and engine_has_quantization():
                 common["quantization"] = "none"
@@ -169,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     native = engine_has_quantization() and not args.reference
     t0 = time.monotonic()
     ref = Runner(args.model, Path_("reference", "none", None, "none"), native=False, max_len=size)  # fp32 dequantized
-    runners = [Runner(args.model, p, native, shared=None if native else ref.llm, max_len=size) for p in paths]
+    runners = [Runner(args.model, p, native, shared=ref.llm, max_len=size) for p in paths]
     mode = "engine (kernels)" if native else "reference (dequantized weights in a float32 engine)"
     print(f"{source.name}: {len(ids)} eval tokens, window {size}, {len(paths)} paths, via {mode}", flush=True)
 
@@ -252,6 +251,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         if not native:
             notes.append("Reference path: the weights are exact; the kernels' int8 rounding of activations is not measured until the engine takes quantization=.")
+        elif any(not r.native for r in runners):
+            notes.append(
+                "Paths with a group size other than 32 (" + ", ".join(r.path.label for r in runners if not r.native) + ") run on the "
+                "reference path (their dequantized weights in the float32 engine): the engine quantizes at load in groups of 32 only."
+            )
         body = (
             "## Quantization accuracy (`benchmarks/quant_accuracy.py`)\n\n"
             f"{machine_line()}; model {source.name}; {count} tokens of bundled English text (window {size}); "
