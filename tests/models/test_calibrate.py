@@ -38,3 +38,19 @@ def test_linear_errors_and_assign(tiny_llama_dir: Path) -> None:
     ref.load({**sd, **quant})
     assert torch.equal(switched, ref.logprobs(tokens)), "assign must equal a full reload"
     assert mean_kl(base, switched) > 0 and mean_kl(base, base) == 0.0
+
+
+def test_assign_never_writes_into_the_callers_float_weights(tiny_llama_dir: Path) -> None:
+    # NOTE(ref-owns): o_proj / down_proj / the embedding load unfused; were they the caller's tensors,
+    # switching them to their quantized values would change the float state dict the fallback keeps
+    src = resolve_model(str(tiny_llama_dir))
+    sd = {k: v.float() for k, v in load_hf_state_dict(src.path).items()}
+    before = {k: v.clone() for k, v in sd.items()}
+    tokens = list(range(100, 132))
+    ref = ReferenceModel(load_model_config(src), sd, len(tokens))
+    quant = {n: quantize_rtn(w, 4, 32) for n, w in sd.items() if is_linear_weight(n)}
+    assert any(".o_proj." in n for n in quant) and any(".down_proj." in n for n in quant)
+    ref.linear_errors(tokens, quant)
+    ref.assign(quant)
+    changed = sorted(k for k in sd if not torch.equal(sd[k], before[k]))
+    assert changed == [], f"the caller's float weights changed: {changed[:4]}"

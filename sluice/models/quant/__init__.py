@@ -70,7 +70,7 @@ _NATIVE = ("auto", "gguf", "awq", "gptq", "sluice")
 _LINEAR = re.compile(
     r"^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj|mlp\.(experts\.\d+\.)?(gate|up|down|gate_up)_proj)\.weight$"
 )
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: choices made before NOTE(ref-owns) measured against a reference their own search had changed
 
 
 def is_linear_weight(name: str) -> bool:

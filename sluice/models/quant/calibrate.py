@@ -116,8 +116,20 @@ class ReferenceModel:
         self.load(sd)
 
     def load(self, sd: dict[str, Any]) -> None:
-        """(Re)load all weights; ``QuantWeight`` values enter as their exact float32 dequantization."""
+        """(Re)load all weights; ``QuantWeight`` values enter as their exact float32 dequantization.
+
+        NOTE(ref-owns): the model owns its weights.  A float32 weight the loader keeps as it is (a linear
+        not fused with another, the embedding) would otherwise be the caller's tensor, and ``assign``,
+        which writes a quantized value into the model in place, would write it into the caller's float
+        state dict too: a layer the fallback then keeps "in float" would hold its quantized values, and
+        only on the start that calibrated (a later start reads the choice from the cache)."""
         self.model.load_hf_state_dict({k: _dense(v) for k, v in sd.items()})
+        theirs = {v.untyped_storage().data_ptr() for v in sd.values() if isinstance(v, torch.Tensor)}
+        with torch.no_grad():
+            for mod in self.model.modules():
+                for name, t in [*mod.named_buffers(recurse=False), *mod.named_parameters(recurse=False)]:
+                    if t is not None and t.untyped_storage().data_ptr() in theirs:  # a new tensor, not new data
+                        setattr(mod, name, torch.nn.Parameter(t.clone(), t.requires_grad) if isinstance(t, torch.nn.Parameter) else t.clone())
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF name -> (sluice weight tensor, first row, end row): q/k/v live in ``qkv``, gate/up in ``gate_up``.
