@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads_before = torch.get_num_threads()
     source = resolve_model(args.model)
     ctx = int(load_model_config(source).get("max_position_embeddings", 2048))
     size = min(ctx, args.window)
@@ -169,6 +170,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     ref = Runner(args.model, Path_("reference", "none", None, "none"), native=False, max_len=size)  # fp32 dequantized
     runners = [Runner(args.model, p, native, shared=ref.llm, max_len=size) for p in paths]
+    # an engine on sluice's work pool leaves torch's own ops one thread (NOTE(work-pool)); the scoring below
+    # runs float attention and the reference's dense matmuls on torch: give it the threads back
+    torch.set_num_threads(args.threads or threads_before)
     mode = "engine (kernels)" if native else "reference (dequantized weights in a float32 engine)"
     print(f"{source.name}: {len(ids)} eval tokens, window {size}, {len(paths)} paths, via {mode}", flush=True)
 

@@ -29,12 +29,12 @@ def test_quant_accuracy_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixtur
 
 def test_quant_accuracy_on_the_engine_runs_every_default_kind_of_path(tiny_llama_dir: Path) -> None:
     # the engine's own kernels for what it can load; a group size it does not quantize at (64) on the
-    # reference path instead of an argument the engine refuses (the default --paths has one)
+    # reference path instead of an argument the engine refuses (the default --paths has int4:g64:auto)
     args = ["--model", str(tiny_llama_dir), "--tokens", "200", "--window", "64", "--prompts", "2", "--prompt-len", "8", "--gen", "4",
-            "--paths", "int8,int4:g64:auto", "--no-doc", "--threads", "1"]  # fmt: skip
+            "--paths", "int8,int4:g64", "--no-doc", "--threads", "1"]  # fmt: skip
     result = main(args)
     assert result["via"] == "engine"
     by = {p["path"]: p for p in result["paths"]}
-    assert set(by) == {"int8", "int4:g64:auto"}
+    assert set(by) == {"int8", "int4:g64"}
     assert all(p["ppl"] > 0 and 0.0 <= p["top1_agreement"] <= 1.0 for p in by.values())
-    assert by["int8"]["kl"] < by["int4:g64:auto"]["kl"], "int8 must be closer to the reference than int4"
+    assert 0.0 < by["int8"]["kl"] < by["int4:g64"]["kl"], "int8 must be closer to the reference than int4"
