@@ -73,12 +73,19 @@ def _cache_root() -> Path:
     return Path(root) / "kernels"
 
 
-def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
+def _jit_tag(name: str, digest: str) -> str:
+    """The JIT build's module name and its folder under the cache (NOTE(jit-cache)): extension ``name``
+    compiled from sources of ``digest`` (``source_hash``) against this torch."""
     import torch
+
+    return f"sluice_{name}_{digest[3:]}_{hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]}"
+
+
+def _jit(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
     from torch.utils.cpp_extension import load as cpp_load
 
     digest = source_hash(name, sources[0].parent)  # NOTE(source-hash): the headers and .inc files too
-    tag = f"sluice_{name}_{digest[3:]}_{hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]}"
+    tag = _jit_tag(name, digest)
     build = _cache_root() / tag
     build.mkdir(parents=True, exist_ok=True)
     with _build_lock(build):

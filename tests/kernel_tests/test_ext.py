@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -34,11 +33,7 @@ def test_jit_fallback_builds_once_and_runs() -> None:
     # names would JIT-build quant and lora too, ~250 s in all on a fresh CI machine.
     # NOTE(stale-baton): the lock file of a build killed midway sits in the shared directory;
     # the build must not wait for it (without the flock in ext._build_lock it waits forever).
-    import torch
-
-    digest = source_hash("attention", ext.csrc_dir())
-    tag = f"sluice_attention_{digest[3:]}_{hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]}"
-    build = ext._cache_root() / tag
+    build = ext._cache_root() / ext._jit_tag("attention", source_hash("attention", ext.csrc_dir()))
     build.mkdir(parents=True, exist_ok=True)
     (build / "lock").touch()
     code = (
