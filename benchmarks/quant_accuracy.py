@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runners = [Runner(args.model, p, native, shared=ref.llm, max_len=size) for p in paths]
     # an engine on sluice's work pool leaves torch's own ops one thread (NOTE(work-pool)); the scoring below
     # runs float attention and the reference's dense matmuls on torch: give it the threads back
-    torch.set_num_threads(args.threads or threads_before)
+    torch.set_num_threads(threads_before)
     mode = "engine (kernels)" if native else "reference (dequantized weights in a float32 engine)"
     print(f"{source.name}: {len(ids)} eval tokens, window {size}, {len(paths)} paths, via {mode}", flush=True)
 
