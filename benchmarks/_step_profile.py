@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from sluice.kernels.autotune import kernel_threads
+
 PROMPT_TOKENS = 128
 
 
@@ -71,14 +73,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
-
-
-def kernel_threads() -> int:
-    """The threads the kernels run on: the work pool's when the engine set one up (it leaves torch's own
-    ops one thread, NOTE(work-pool)), else torch's."""
-    from sluice.kernels import ext
-
-    return ext.work_pool_threads() or torch.get_num_threads()
 
 
 def read_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:

@@ -29,7 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks._report import machine_line, markdown_table, print_json_last  # noqa: E402
-from benchmarks._step_profile import _prompts, kernel_threads, read_bandwidth_gb_s  # noqa: E402
+from benchmarks._step_profile import _prompts, read_bandwidth_gb_s  # noqa: E402
+from sluice.kernels.autotune import kernel_threads  # noqa: E402
 
 
 def copy_bandwidth_gb_s(num_bytes: int = 1 << 30) -> float:

@@ -79,7 +79,6 @@ class ModelRunner:
             quantization=config.quantization,
             quant_fallback=config.quant_fallback,
         )
-        self.kernel_path = plan_kernels(self.model)
         sources = sorted({pw.source or f"int{pw.bits}" for lin in self.model.linears().values() for pw in lin.packed})
         self.quantization = "+".join(sources) or "none"
         self.max_model_len: int = self.model.max_positions
@@ -99,6 +98,7 @@ class ModelRunner:
             config.attention_backend, config.device, self.kv_cache, cfg.head_dim**-0.5
         )
         self.work_pool_threads = self._use_work_pool(threads)
+        self.kernel_path = plan_kernels(self.model)  # on the threads it serves on (NOTE(plan-threads))
         self.sampler = Sampler(seed)
         self.lora_adapters: dict[int, Any] | None = None  # lora_id -> LoRAAdapter in memory (LoRAManager.resident)
         self.capture_logits = False  # tests: keep a copy of each step's raw logits

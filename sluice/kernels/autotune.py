@@ -4,8 +4,8 @@ Every kernel path gives bit-identical results (sluice/kernels/csrc/qgemm.h), so
 choosing per (shape, batch bucket) changes speed only, never a result.  The
 first start on a machine times each available path on each quantized shape
 of the model at a few batch sizes (a second or two); the choice is cached in
-``<sluice cache>/autotune-v4.json`` keyed by the CPU (model name, flags) and
-the thread count, so later starts pay nothing.
+``<sluice cache>/autotune-v5.json`` keyed by the CPU (model name, flags) and
+the threads the GEMMs run on, so later starts pay nothing.
 
 ``SLUICE_KERNEL_PATH=avx2`` (or avx512vnni, avxvnni, scalar) forces one path.
 """
@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from sluice.kernels import ext
 from sluice.kernels import qlinear as ql
 from sluice.kernels.linear import BUCKETS, KernelPlan, Linear
 
-__all__ = ["plan_kernels", "cpu_key", "measure_shape"]
+__all__ = ["plan_kernels", "cpu_key", "kernel_threads", "measure_shape"]
 
 log = logging.getLogger("sluice.kernels")
 
@@ -37,7 +38,16 @@ def _cache_file() -> Path:
     root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sluice"
     )
-    return Path(root) / "autotune-v4.json"
+    return Path(root) / "autotune-v5.json"
+
+
+def kernel_threads() -> int:
+    """Threads a quantized GEMM runs on now: the work pool's where it is on (NOTE(work-pool)), else torch's.
+
+    NOTE(plan-threads): the plan is measured and filed under these, not ``torch.get_num_threads()``: an
+    engine that moved its loops onto the pool leaves torch one thread, and a plan measured on two pool
+    threads was filed as a one-thread plan (so each machine kept two plans, one of them mislabelled)."""
+    return ext.work_pool_threads() or torch.get_num_threads()
 
 
 def cpu_key() -> str:
@@ -50,7 +60,7 @@ def cpu_key() -> str:
     except OSError:
         pass
     feats = ",".join(ql.kernel_module().cpu_features())
-    return f"{name}|{feats}|threads={torch.get_num_threads()}"
+    return f"{name}|{feats}|threads={kernel_threads()}"
 
 
 def _time(fn: Any, budget_s: float = 0.02) -> float:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from sluice.kernels import autotune
+from sluice.kernels import autotune, ext
 from sluice.kernels import qlinear as ql
 from sluice.kernels.linear import Linear, make_linear, pack_fp32, unpack_fp32
 from tests.kernel_tests.test_qgemm import rand_qweight
@@ -73,7 +73,7 @@ def test_plan_measures_each_shape_once_and_caches_it(tmp_path, monkeypatch) -> N
     monkeypatch.delenv("SLUICE_KERNEL_PATH", raising=False)
     model = torch.nn.ModuleList([make_linear([rand_qweight(32, 64, 4, 32)]), make_linear([rand_qweight(32, 64, 4, 32, seed=1)])])
     label = autotune.plan_kernels(model)
-    doc = json.loads((tmp_path / "autotune-v4.json").read_text())
+    doc = json.loads((tmp_path / "autotune-v5.json").read_text())
     (entry,) = doc.values()
     assert list(entry) == ["32,64,0"], "one measurement per distinct shape"
     assert all(p in {p.label for p in ql.available_paths()} for p in entry["32,64,0"])
@@ -90,3 +90,18 @@ def test_forcing_a_path_the_cpu_lacks_is_a_clear_error(monkeypatch) -> None:  # 
     monkeypatch.setenv("SLUICE_KERNEL_PATH", "sse9")
     with pytest.raises(ValueError, match="SLUICE_KERNEL_PATH"):
         autotune.plan_kernels(model)
+
+
+def test_plan_is_filed_under_the_threads_the_gemms_run_on() -> None:
+    """NOTE(plan-threads): an engine on the work pool leaves torch one thread; its plan is the pool's."""
+    before_pool, before_torch = ext.work_pool_threads(), torch.get_num_threads()
+    try:
+        ext.set_work_pool(2)
+        torch.set_num_threads(1)
+        assert autotune.kernel_threads() == 2
+        assert autotune.cpu_key().endswith("|threads=2")
+        ext.set_work_pool(0)
+        assert autotune.cpu_key().endswith("|threads=1")
+    finally:
+        ext.set_work_pool(before_pool)
+        torch.set_num_threads(before_torch)
