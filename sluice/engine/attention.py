@@ -52,6 +52,11 @@ class AttentionMetadata:
     # derived tensors for kernels
     query_start_loc_t: torch.Tensor  # (S+1,) int32
     seq_lens_t: torch.Tensor  # (S,) int32
+    # the sliding layers' own pool (NOTE(hybrid-blocks) in hybrid_blocks.py): their slots and tables; None
+    # where every layer uses the tables above
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+    window_num_blocks_per_seq: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -61,38 +66,55 @@ class AttentionMetadata:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
 
-def flat_batch_metadata(
+def _slots_and_tables(
     rows: Sequence[tuple[int, int, Sequence[int]]], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Slot mapping (T,), block tables (S, max_blocks) padded with 0, valid entries per row."""
+    slots: list[int] = []
+    for start, n, blocks in rows:
+        if n and blocks[start // block_size] < 0:  # never: a window frees only blocks before every query's keys
+            raise RuntimeError(f"position {start} falls in a block freed out of the sliding window")
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+    bt = torch.zeros((len(rows), max(len(b) for _, _, b in rows)), dtype=torch.int32)
+    for i, (_, _, blocks) in enumerate(rows):
+        bt[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    return torch.tensor(slots, dtype=torch.long, device=device), bt.to(device), [len(b) for _, _, b in rows]
+
+
+def flat_batch_metadata(
+    rows: Sequence[tuple[int, int, Sequence[int]]],
+    block_size: int,
+    device: torch.device,
+    window_tables: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[int], AttentionMetadata]:
     """The flat batch's positions and attention metadata: each row ``(start, num_new, block_table)`` is a
     sequence computing positions ``start .. start + num_new - 1``, its K/V in the table's blocks (the
     whole table is attended: pass only the blocks the sequence holds).  A table's leading entries may be
     ``FREED_BLOCK`` (-1: out of a sliding window, NOTE(window-blocks) in the block manager): only the
-    window's attention reads such a table, from the first block its queries see."""
+    window's attention reads such a table, from the first block its queries see.  ``window_tables``: each
+    row's sliding table, where the sliding layers have a pool of their own (NOTE(hybrid-blocks))."""
     positions: list[int] = []
-    slots: list[int] = []
     qsl = [0]
     seq_lens: list[int] = []
-    for start, n, blocks in rows:
-        pos = range(start, start + n)
-        if n and blocks[start // block_size] < 0:  # never: a window frees only blocks before every query's keys
-            raise RuntimeError(f"position {start} falls in a block freed out of the sliding window")
-        positions.extend(pos)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+    for start, n, _ in rows:
+        positions.extend(range(start, start + n))
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
-    bt = torch.zeros((len(rows), max(len(b) for _, _, b in rows)), dtype=torch.int32)
-    for i, (_, _, blocks) in enumerate(rows):
-        bt[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    slots, bt, nblocks = _slots_and_tables(rows, block_size, device)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=slots,
         query_start_loc=qsl,
         seq_lens=seq_lens,
-        block_tables=bt.to(device),
-        num_blocks_per_seq=[len(b) for _, _, b in rows],
+        block_tables=bt,
+        num_blocks_per_seq=nblocks,
         query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
+    if window_tables is not None:
+        wrows = [(start, n, w) for (start, n, _), w in zip(rows, window_tables, strict=True)]
+        meta.window_slot_mapping, meta.window_block_tables, meta.window_num_blocks_per_seq = _slots_and_tables(
+            wrows, block_size, device
+        )
     return positions, meta
 
 

@@ -61,9 +61,14 @@ def hash_block(prev_hash: int | None, tokens: Sequence[int], salt: bytes = b"") 
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 *, window_table: bool = False):  # fmt: skip
+        """``window_table``: this pool keeps the requests' ``window_block_ids`` / ``window_block_hashes``
+        (the sliding layers' pool of a HybridBlockManager, NOTE(hybrid-blocks)), else their ``block_ids``."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self._table = "window_block_ids" if window_table else "block_ids"
+        self._hashes = "window_block_hashes" if window_table else "block_hashes"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -78,6 +83,14 @@ class BlockManager:
         self._newly_cached: list[tuple[int, int]] = []  # (key, block) registered since take_newly_cached()
         # request -> keys of its leading full blocks, computed once (tokens are only appended)
         self._keys_memo: weakref.WeakKeyDictionary[Request, tuple[bytes, list[int]]] = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------ the request's table in this pool
+
+    def table(self, req: Request) -> list[int]:
+        return getattr(req, self._table)  # type: ignore[no-any-return]
+
+    def hashes(self, req: Request) -> list[int]:
+        return getattr(req, self._hashes)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------ queries
 
@@ -96,10 +109,14 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    @staticmethod
-    def num_held_blocks(req: Request) -> int:
+    def num_held_blocks(self, req: Request) -> int:
         """Blocks the request holds (its table less the entries freed out of its window)."""
-        return sum(1 for b in req.block_ids if b != FREED_BLOCK)
+        return sum(1 for b in self.table(req) if b != FREED_BLOCK)
+
+    def fits_after_preempting(self, req: Request, num_tokens: int, cached: Sequence[int], victims: Sequence[Request]) -> bool:
+        """Whether ``allocate(req, num_tokens, cached)`` could succeed once every one of ``victims`` is freed."""
+        need = self.num_blocks_to_allocate(req, num_tokens, cached)
+        return need <= len(self.free) + sum(self.num_held_blocks(r) for r in victims)
 
     # ------------------------------------------------------------ prefix cache
 
@@ -158,10 +175,11 @@ class BlockManager:
 
     def num_blocks_to_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> int:
         """Free-list blocks ``allocate(req, num_tokens, cached)`` would take."""
-        # cached prefix blocks are shared, not allocated; the rest are new blocks
-        need = self.blocks_needed(num_tokens) - len(req.block_ids) - len(cached)
+        # cached prefix blocks are shared, not allocated; the rest are new blocks (a window table's
+        # cached head may start with FREED_BLOCK entries: positions no query of the request reads)
+        need = self.blocks_needed(num_tokens) - len(self.table(req)) - len(cached)
         # cached blocks nobody holds sit in the free list: taking them uses free slots
-        return need + sum(1 for b in cached if self.ref_counts[b] == 0)
+        return need + sum(1 for b in cached if b != FREED_BLOCK and self.ref_counts[b] == 0)
 
     def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether ``req`` can hold ``num_tokens`` tokens in all (computed + new), ``cached`` first."""
@@ -177,56 +195,61 @@ class BlockManager:
         """
         if not self.can_allocate(req, num_tokens, cached):
             return False
+        table = self.table(req)
         if cached:
-            if req.block_ids:
+            if table:
                 raise RuntimeError(f"prefix blocks are only taken at the first allocation ({req.request_id})")
             for b in cached:
-                self._hold(b)
-            req.block_ids.extend(cached)
-            req.block_hashes = [self.hash_by_block[b] for b in cached]  # type: ignore[misc]
-        for _ in range(self.blocks_needed(num_tokens) - len(req.block_ids)):
-            req.block_ids.append(self._take_free())
+                if b != FREED_BLOCK:
+                    self._hold(b)
+            table.extend(cached)
+            setattr(req, self._hashes, list(self.prefix_hashes(req, len(cached))))  # the keys lookup found them by
+        for _ in range(self.blocks_needed(num_tokens) - len(table)):
+            table.append(self._take_free())
         return True
 
     def free_request(self, req: Request) -> None:
         """Release the request's blocks; tail blocks first so they are evicted first."""
-        for b in reversed(req.block_ids):
+        for b in reversed(self.table(req)):
             if b != FREED_BLOCK:
                 self._release(b, f"request {req.request_id}")
-        req.block_ids = []
-        req.block_hashes = []
+        setattr(req, self._table, [])
+        setattr(req, self._hashes, [])
 
     def free_before(self, req: Request, position: int) -> int:
         """Give back the request's blocks whose tokens all lie before ``position`` (NOTE(window-blocks));
         their entries become ``FREED_BLOCK``.  Returns how many were freed now."""
-        end = min(max(0, position) // self.block_size, len(req.block_ids))
+        table = self.table(req)
+        end = min(max(0, position) // self.block_size, len(table))
         start = end
-        while start > 0 and req.block_ids[start - 1] != FREED_BLOCK:  # freed entries are a prefix of the table
+        while start > 0 and table[start - 1] != FREED_BLOCK:  # freed entries are a prefix of the table
             start -= 1
         for i in range(end - 1, start - 1, -1):  # later blocks first, so they are evicted first
-            self._release(req.block_ids[i], f"request {req.request_id}")
-            req.block_ids[i] = FREED_BLOCK
+            self._release(table[i], f"request {req.request_id}")
+            table[i] = FREED_BLOCK
         return end - start
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Give back the request's blocks past its first ``num_tokens`` tokens (the slots of rejected
         speculative drafts: never registered, they are reused first)."""
-        keep = max(self.blocks_needed(num_tokens), len(req.block_hashes))
-        while len(req.block_ids) > keep:
-            self._release(req.block_ids.pop(), f"request {req.request_id}")
+        table = self.table(req)
+        keep = max(self.blocks_needed(num_tokens), len(self.hashes(req)))
+        while len(table) > keep:
+            self._release(table.pop(), f"request {req.request_id}")
 
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register hashes for the request's blocks that are full and computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(req.block_ids))
-        if num_full <= len(req.block_hashes):
+        table, hashes = self.table(req), self.hashes(req)
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        if num_full <= len(hashes):
             return
         keys = self.prefix_hashes(req, num_full)
-        for i in range(len(req.block_hashes), num_full):
+        for i in range(len(hashes), num_full):
             h = keys[i]
-            req.block_hashes.append(h)
-            b = req.block_ids[i]
+            hashes.append(h)
+            b = table[i]
             if b != FREED_BLOCK and h not in self.block_by_hash and self.hash_by_block[b] is None:
                 self.block_by_hash[h] = b
                 self.hash_by_block[b] = h
@@ -256,7 +279,7 @@ class BlockManager:
                 self.block_by_hash[h] = b
                 self.hash_by_block[b] = h
             self._hold(b)
-        req.block_hashes.extend(hashes)
+        self.hashes(req).extend(hashes)
 
     def release_load(self, block_ids: Sequence[int], num_loaded: int) -> None:
         """A load finished: blocks past ``num_loaded`` hold nothing valid and lose their keys."""
@@ -278,7 +301,7 @@ class BlockManager:
         if requests is not None:
             holders = [0] * self.num_blocks
             for req in requests:
-                ids = req.block_ids
+                ids = self.table(req)
                 freed = next((i for i, b in enumerate(ids) if b != FREED_BLOCK), len(ids))
                 if any(b == FREED_BLOCK for b in ids[freed:]):
                     raise AssertionError(f"{req.request_id}: a freed entry after a held block in {ids}")

@@ -24,6 +24,7 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import BLOCK_SIZE, MID_STEP_POLL_S, EngineConfig, ModelInfo
+from sluice.engine.hybrid_blocks import HybridBlockManager
 from sluice.engine.kv_tiers.connector import KVTierConnector
 from sluice.engine.kv_tiers.factory import make_kv_tier
 from sluice.engine.lora_manager import LoRAManager
@@ -78,7 +79,12 @@ class EngineCore:
         self.runner = ModelRunner(config, self.source)
         cfg = self.runner.model_config
         self.eos_token_ids = _eos_ids(self.source, [*cfg.eos_token_ids, *extra_eos_token_ids])
-        self.block_manager = BlockManager(self.runner.num_blocks, BLOCK_SIZE, config.enable_prefix_caching)
+        self.block_manager: BlockManager | HybridBlockManager
+        if self.runner.window_layers:  # NOTE(hybrid-blocks): the sliding layers' pool of their own
+            self.block_manager = HybridBlockManager(self.runner.num_blocks, self.runner.num_window_blocks,
+                                                    cfg.sliding_window, BLOCK_SIZE, config.enable_prefix_caching)  # fmt: skip
+        else:
+            self.block_manager = BlockManager(self.runner.num_blocks, BLOCK_SIZE, config.enable_prefix_caching)
         self.lora = LoRAManager(self.runner.model, max_rank=config.max_lora_rank, max_loras=config.max_loras,
                                 capacity=config.num_cpu_loras)  # fmt: skip
         for name, path in config.lora_module_paths.items():
@@ -145,20 +151,20 @@ class EngineCore:
     def _freeing_window(self) -> int | None:
         """The window out of which the scheduler frees blocks (NOTE(window-blocks) in the block manager).
 
-        NOTE(window-scope): only where every layer slides.  Gemma 2/3 interleave global layers, which
-        read every key: their blocks stay (a second block table for the sliding layers, vLLM's hybrid
-        allocator, would free those layers' share; not built).  A draft model writes and reads the
-        request's blocks from its own progress, which may lag the window (NOTE(draft-blocks)): none
-        are freed while one drafts.
+        NOTE(window-scope): where every layer slides, the request's blocks; where global layers are
+        interleaved (gemma2/3), the sliding layers' own pool (NOTE(hybrid-blocks)), or nothing when they
+        share the global pool (a KV disk tier).  Where every layer slides, a draft model writes and reads
+        the request's blocks from its own progress, which may lag the window (NOTE(draft-blocks)): none
+        are freed while one drafts; a hybrid target's draft reads the global table only, never freed.
         """
         cfg, spec = self.runner.model_config, self.config.speculative_config
+        if self.runner.window_layers:
+            return cfg.sliding_window
         if not cfg.sliding_window or not all(cfg.is_sliding(i) for i in range(cfg.num_layers)):
             return None
         if spec is not None and SpeculativeConfig.from_dict(spec).method is SpecMethod.DRAFT_MODEL:
             return None
         return cfg.sliding_window
-
-    # ------------------------------------------------------------ speculation
 
     def _load_draft(self, model: str) -> DraftModel:
         source, quantization = draft_source(model, self.source)

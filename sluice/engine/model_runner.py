@@ -87,11 +87,12 @@ class ModelRunner:
         log.info("loaded %s in %.1fs", source.path, time.monotonic() - t0)
 
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
-        per_block = self.kv_format.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
         budget = config.kv_cache_memory or int(psutil.virtual_memory().available * config.kv_cache_fraction)
-        self.num_blocks = max(1, budget // per_block)
+        self.window_layers = self._window_layers()
+        self.num_blocks, self.num_window_blocks = self._split_kv_budget(budget)
         self.kv_cache = KVCache(
-            self.kv_format, cfg.num_layers, self.num_blocks, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, self.device
+            self.kv_format, cfg.num_layers, self.num_blocks, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, self.device,
+            window_layers=self.window_layers, num_window_blocks=self.num_window_blocks,
         )
         self.kv_cache_bytes = self.kv_cache.num_bytes
         self.attention = make_attention_backend(
@@ -104,6 +105,34 @@ class ModelRunner:
         self.capture_logits = False  # tests: keep a copy of each step's raw logits
         self._depth = 0  # execute() calls in progress (2 while a step runs nested in another)
         self.last_logits: torch.Tensor | None = None
+
+    def _window_layers(self) -> list[int]:
+        """The sliding layers that get a KV pool of their own (NOTE(hybrid-blocks)): where they are interleaved
+        with global layers, and no KV disk tier copies blocks (its payload is one pool's block)."""
+        cfg, config = self.model_config, self.config
+        sliding = [i for i in range(cfg.num_layers) if cfg.sliding_window and cfg.is_sliding(i)]
+        if not sliding or len(sliding) == cfg.num_layers:
+            return []  # no window, or every layer slides: one pool, freed as a whole (NOTE(window-blocks))
+        if config.kv_disk_dir and config.enable_prefix_caching:
+            log.info("KV disk tier on: the sliding layers share the global layers' KV pool (no blocks freed)")
+            return []
+        return sliding
+
+    def _split_kv_budget(self, budget: int) -> tuple[int, int]:
+        """(global pool blocks, sliding pool blocks) for ``budget`` bytes.  The sliding pool gets what every
+        running sequence's window needs (ceil(window / 16) + 2 blocks) plus one full step of new tokens, never
+        more than one pool for all layers would have had; the global pool the rest."""
+        cfg, fmt = self.model_config, self.kv_format
+        nwin = len(self.window_layers)
+        per_full = fmt.bytes_per_block(cfg.num_layers - nwin, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
+        if not nwin:
+            return max(1, budget // per_full), 0
+        per_win = fmt.bytes_per_block(nwin, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
+        one_pool = max(1, budget // (per_full + per_win))
+        need = self.config.max_num_seqs * (-(-cfg.sliding_window // BLOCK_SIZE) + 2)
+        need += -(-self.config.max_num_batched_tokens // BLOCK_SIZE)
+        num_win = min(one_pool, need)
+        return max(1, (budget - num_win * per_win) // per_full), num_win
 
     def _use_work_pool(self, threads: int) -> int:
         """NOTE(work-pool) (``sluice/kernels/csrc/work_pool.h``): where every layer of the model runs on
@@ -145,7 +174,8 @@ class ModelRunner:
             end += n
             if s.samples:  # a drafting decode samples every position from its pending token on
                 sample_idx.extend(range(end - 1 - s.num_spec, end))
-        positions, meta = flat_batch_metadata(rows, BLOCK_SIZE, self.device)
+        window = [s.request.window_block_ids for s in sched.scheduled] if self.window_layers else None
+        positions, meta = flat_batch_metadata(rows, BLOCK_SIZE, self.device, window)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids_t, pos_t, meta, sample_idx

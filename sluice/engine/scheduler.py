@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import SchedulingPolicy
+from sluice.engine.hybrid_blocks import HybridBlockManager
 from sluice.engine.kv_tiers.connector import KVTierConnector, LoadState
 from sluice.engine.outputs import OutputMaker, make_output
 from sluice.engine.protocol import EngineOutput, TokenLogprobs
@@ -85,7 +86,7 @@ class _Step:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: BlockManager | HybridBlockManager,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         policy: str = "wfq",
@@ -96,7 +97,7 @@ class Scheduler:
         max_loras: int = 1 << 30,  # distinct LoRA adapters among running requests
         adapter_ready: Callable[[Request], bool] | None = None,  # its adapter is in memory (LoRAManager.is_ready)
         kv_tiers: KVTierConnector | None = None,  # tier below the prefix cache (disk), if any
-        sliding_window: int | None = None,  # every layer's window: free the blocks out of it (NOTE(window-blocks))
+        sliding_window: int | None = None,  # free the blocks out of it: every layer's window, or a hybrid pool's (NOTE(window-blocks))
     ):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
@@ -480,7 +481,6 @@ class Scheduler:
         cached, tier, n = self._first_chunk(req, step.budget)
         num_memory_tokens = len(cached) * bm.block_size
         num_cached_tokens = num_memory_tokens + len(tier) * bm.block_size
-        need = bm.num_blocks_to_allocate(req, num_cached_tokens + n, cached)
         takes = not step.nested and self._may_take_from_lower(req, step.now)
         lower = [r for r in self.running if r.priority > req.priority] if takes else []
         limit = self.seq_limit_for(req.priority)
@@ -489,7 +489,7 @@ class Scheduler:
         reserved = 0 if req.priority == Priority.P0 else sum(1 for r in (*self.running, *self.loading) if r.priority == Priority.P0)
         if holders - len(lower) - reserved >= limit or holders - len(lower) >= self.max_num_seqs:
             return False  # every slot it may use is held by this class or a higher one
-        if need > bm.num_free_blocks + sum(bm.num_held_blocks(r) for r in lower):
+        if not bm.fits_after_preempting(req, num_cached_tokens + n, cached, lower):
             return False  # even preempting every lower class would not make it fit
         # NOTE(take-from-lower): a higher class takes the slot and the blocks it
         # needs from running requests of strictly lower classes, lowest class and

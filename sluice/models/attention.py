@@ -18,8 +18,9 @@ step's queries see, never before it.  Where every layer slides, the engine
 gives the blocks before the window back to the pool and leaves a placeholder
 (-1) in their table entries (NOTE(window-blocks) in
 sluice/engine/block_manager.py), so reading from that block on is what keeps
-attention off the freed ones.  With global layers interleaved (gemma2/3) every
-block stays (NOTE(window-scope) in sluice/engine/core.py).
+attention off the freed ones.  With global layers interleaved (gemma2/3) the
+sliding layers have a pool and block tables of their own, freed the same way
+(NOTE(hybrid-blocks) in sluice/engine/hybrid_blocks.py).
 
 Batch invariance: each sequence is attended on its own, over its own keys in
 order, so its result does not depend on the other sequences of the step.  It
@@ -84,7 +85,11 @@ def attend(
     kv, meta = getattr(attention, "kv", None), getattr(attention, "meta", None)
     if kv is None or meta is None:
         return attention(layer, q, k, v, window=window, softcap=softcap, scale=scale)  # type: ignore[no-any-return]
-    kv.write(layer, meta.slot_mapping, k, v)
+    # NOTE(hybrid-blocks): a sliding layer with a pool of its own reads and writes through its own tables
+    own = window is not None and layer in getattr(kv, "window_layers", ()) and meta.window_block_tables is not None
+    slots, tables, nblocks = ((meta.window_slot_mapping, meta.window_block_tables, meta.window_num_blocks_per_seq)
+                              if own else (meta.slot_mapping, meta.block_tables, meta.num_blocks_per_seq))  # fmt: skip
+    kv.write(layer, slots, k, v)
     out = torch.empty_like(q)
     for i in range(meta.num_seqs):
         s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -94,7 +99,7 @@ def attend(
             first = max(0, ctx - (e - s) - window + 1)
         block_size = kv.k[layer].shape[1]
         skip = first // block_size  # whole blocks out of the window are not read (maybe freed: NOTE(window-read))
-        blocks = meta.block_tables[i, skip : meta.num_blocks_per_seq[i]].long()
+        blocks = tables[i, skip : nblocks[i]].long()
         kk, vv = kv.gather(layer, blocks, ctx - skip * block_size, torch.float32)  # (ctx', Hkv, D)
         off = first - skip * block_size
         out[s:e] = masked_attention(q[s:e], kk[off:], vv[off:], scale=scale, window=window, softcap=softcap)
