@@ -32,7 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _report import markdown_table, print_json_last, write_section  # noqa: E402
+from _report import DOC, markdown_table, print_json_last, write_section  # noqa: E402
+
+ENGINE_DOC = DOC.parent / "engine.md"  # the CUDA check is written beside the engine's docs
 from prediction_error import BUDGET, SLOTS, measure  # noqa: E402
 
 from sluice.engine.core import EngineCore  # noqa: E402
@@ -150,7 +152,7 @@ def main() -> None:
     print(f"{name}, torch {torch.__version__}\n\n{text}", flush=True)
     if args.write:
         write_section("cuda_check", f"## The engine on CUDA (`benchmarks/cuda_check.py`)\n\n{name}, torch "
-                                    f"{torch.__version__}, `--device {args.device}`.\n\n{text}\n")  # fmt: skip
+                                    f"{torch.__version__}, `--device {args.device}`.\n\n{text}\n", ENGINE_DOC)  # fmt: skip
     print_json_last(result)
     if not all(c["ok"] for c in result["correctness"].values()):
         raise SystemExit(1)

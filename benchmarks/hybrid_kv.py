@@ -123,7 +123,8 @@ def main() -> None:
         "before NOTE(hybrid-blocks) (every layer's K/V in one block, none freed); `hybrid` as served.\n\n"
         f"{table}\n\n"
         f"Same tokens in both arms: {'yes' if same else 'NO'}. The global layers hold {gain:.1f}x the context in the "
-        f"same budget. With default flags (128 slots, 5% of free memory: {dflt['kv_mib']:.0f} MiB) the sliding "
+        f"same budget: {hyb['most_running']} sequences at once with {hyb['preemptions']} preemptions, against "
+        f"{one['most_running']} with {one['preemptions']} (the wall time moves less: the prefill is most of it). With default flags (128 slots, 5% of free memory: {dflt['kv_mib']:.0f} MiB) the sliding "
         f"pool sized for every slot's window would not fit, so the split stays one pool's: "
         f"{dflt['global_blocks']} / {dflt['window_blocks']} blocks ({dflt['context_tokens']:,} context tokens).\n"
     )

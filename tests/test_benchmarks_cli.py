@@ -745,3 +745,21 @@ def test_long_context_refuses_bad_arguments_in_one_line(args: list[str], message
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), *args, "--no-write"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_hybrid_kv_arms_differ_only_in_the_pools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/hybrid_kv.py: its one-pool arm is the engine without the sliding pool, and on the same budget
+    the hybrid arm's global layers hold more context, with the same greedy tokens."""
+    from model_factory import make_tiny_model_dir
+
+    from benchmarks import hybrid_kv
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_model_dir(tmp_path / "hybrid", "qwen2", seed=3, num_hidden_layers=3, use_sliding_window=True,
+                                sliding_window=32, max_window_layers=1)  # fmt: skip
+    prompts = [[5 + i + j for j in range(70)] for i in range(3)]
+    kv = 64 * 3 * 2 * 16 * 2 * 16 * 4  # 64 blocks of the three layers in one pool; the sliding pool needs 3 x 4 + 32
+    one, hyb = (hybrid_kv.run_arm(str(model), arm, kv, 3, prompts, 8) for arm in ("one pool", "hybrid"))
+    assert one["window_blocks"] == 0 and one["sliding_layers"] == 0 and hyb["sliding_layers"] == 2
+    assert hyb["context_tokens"] == (64 * 3 - 2 * 44) * 16 > one["context_tokens"] == 64 * 16
+    assert hyb["tokens"] == one["tokens"] and all(len(t) == 8 for t in hyb["tokens"].values())

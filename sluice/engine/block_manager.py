@@ -30,7 +30,9 @@ before the window).  A freed block is released like any other: it keeps its
 key while no one reuses it (its K/V are still those of its prefix, so a request
 that looks the prefix up may take it and hold it again), and ``_take_free``
 drops the key before the block is written again, so a key never names a block
-that holds other K/V.
+that holds other K/V.  Where sliding layers are interleaved with global ones, the
+sliding layers' pool of a ``HybridBlockManager`` frees this way and the global
+pool never does (NOTE(hybrid-blocks) in hybrid_blocks.py).
 
 Invariant (``check_invariants``, run by the property tests): every block is
 either held (ref_count > 0) or in the free list, never both; its ref_count is

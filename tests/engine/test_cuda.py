@@ -5,7 +5,7 @@ tokens each, the engine's logits at every step against transformers' full recomp
 seeded sampled requests through every sampler path that must draw the same tokens.  It found two
 CPU-only assumptions (NOTE(cuda-weights) in ``sluice/models/loader.py``: a checkpoint's Linears
 stayed on the CPU; the sampler's random draws mixed CUDA tensors with CPU generators).  CI has no
-GPU: this runs where one is (docs/benchmarks.md, "The engine on CUDA").
+GPU: this runs where one is (docs/engine.md, "The engine on CUDA").
 """
 
 from __future__ import annotations
