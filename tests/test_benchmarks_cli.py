@@ -758,8 +758,9 @@ def test_hybrid_kv_arms_differ_only_in_the_pools(tmp_path: Path, monkeypatch: py
     model = make_tiny_model_dir(tmp_path / "hybrid", "qwen2", seed=3, num_hidden_layers=3, use_sliding_window=True,
                                 sliding_window=32, max_window_layers=1)  # fmt: skip
     prompts = [[5 + i + j for j in range(70)] for i in range(3)]
-    kv = 64 * 3 * 2 * 16 * 2 * 16 * 4  # 64 blocks of the three layers in one pool; the sliding pool needs 3 x 4 + 32
+    kv = 64 * 3 * 2 * 16 * 2 * 16 * 4  # 64 blocks of the three layers in one pool
     one, hyb = (hybrid_kv.run_arm(str(model), arm, kv, 3, prompts, 8) for arm in ("one pool", "hybrid"))
-    assert one["window_blocks"] == 0 and one["sliding_layers"] == 0 and hyb["sliding_layers"] == 2
-    assert hyb["context_tokens"] == (64 * 3 - 2 * 44) * 16 > one["context_tokens"] == 64 * 16
+    assert (one["sliding_layers"], one["layers_a_block"], one["blocks"]) == (0, 3, 64)
+    assert (hyb["sliding_layers"], hyb["layers_a_block"], hyb["blocks"]) == (2, 1, 192), "one global layer a block"
+    assert hyb["lone_request_tokens"] > one["lone_request_tokens"] == 64 * 16
     assert hyb["tokens"] == one["tokens"] and all(len(t) == 8 for t in hyb["tokens"].values())

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,11 +52,11 @@ class AttentionMetadata:
     # derived tensors for kernels
     query_start_loc_t: torch.Tensor  # (S+1,) int32
     seq_lens_t: torch.Tensor  # (S,) int32
-    # the sliding layers' own pool (NOTE(hybrid-blocks) in hybrid_blocks.py): their slots and tables; None
-    # where every layer uses the tables above
-    window_slot_mapping: torch.Tensor | None = None
-    window_block_tables: torch.Tensor | None = None
-    window_num_blocks_per_seq: list[int] | None = None
+    # the sliding layers' own tables, one per group of them (NOTE(hybrid-blocks) in hybrid_blocks.py): their
+    # slot mappings and block tables as above; empty where every layer reads the tables above
+    window_slot_mapping: list[torch.Tensor] = field(default_factory=list)
+    window_block_tables: list[torch.Tensor] = field(default_factory=list)
+    window_num_blocks_per_seq: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -85,14 +85,14 @@ def flat_batch_metadata(
     rows: Sequence[tuple[int, int, Sequence[int]]],
     block_size: int,
     device: torch.device,
-    window_tables: Sequence[Sequence[int]] | None = None,
+    window_tables: Sequence[Sequence[Sequence[int]]] = (),
 ) -> tuple[list[int], AttentionMetadata]:
     """The flat batch's positions and attention metadata: each row ``(start, num_new, block_table)`` is a
     sequence computing positions ``start .. start + num_new - 1``, its K/V in the table's blocks (the
     whole table is attended: pass only the blocks the sequence holds).  A table's leading entries may be
     ``FREED_BLOCK`` (-1: out of a sliding window, NOTE(window-blocks) in the block manager): only the
-    window's attention reads such a table, from the first block its queries see.  ``window_tables``: each
-    row's sliding table, where the sliding layers have a pool of their own (NOTE(hybrid-blocks))."""
+    window's attention reads such a table, from the first block its queries see.  ``window_tables[q]``: each
+    row's table of sliding group q, where the sliding layers have tables of their own (NOTE(hybrid-blocks))."""
     positions: list[int] = []
     qsl = [0]
     seq_lens: list[int] = []
@@ -110,11 +110,12 @@ def flat_batch_metadata(
         query_start_loc_t=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
-    if window_tables is not None:
-        wrows = [(start, n, w) for (start, n, _), w in zip(rows, window_tables, strict=True)]
-        meta.window_slot_mapping, meta.window_block_tables, meta.window_num_blocks_per_seq = _slots_and_tables(
-            wrows, block_size, device
-        )
+    for tables in window_tables:
+        wrows = [(start, n, w) for (start, n, _), w in zip(rows, tables, strict=True)]
+        slots_q, bt_q, n_q = _slots_and_tables(wrows, block_size, device)
+        meta.window_slot_mapping.append(slots_q)
+        meta.window_block_tables.append(bt_q)
+        meta.window_num_blocks_per_seq.append(n_q)
     return positions, meta
 
 

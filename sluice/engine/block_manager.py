@@ -64,21 +64,27 @@ def hash_block(prev_hash: int | None, tokens: Sequence[int], salt: bytes = b"") 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 *, window_table: bool = False):  # fmt: skip
-        """``window_table``: this pool keeps the requests' ``window_block_ids`` / ``window_block_hashes``
-        (the sliding layers' pool of a HybridBlockManager, NOTE(hybrid-blocks)), else their ``block_ids``."""
+                 *, pool: BlockManager | None = None):  # fmt: skip
+        """``pool``: share that manager's blocks (free list, reference counts, keys) and keep a table and a
+        prefix cache of this one's own: a table of a HybridBlockManager (NOTE(hybrid-blocks))."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self._table = "window_block_ids" if window_table else "block_ids"
-        self._hashes = "window_block_hashes" if window_table else "block_hashes"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.hash_by_block: list[int | None] = [None] * num_blocks
-        self.block_by_hash: dict[int, int] = {}
-        # free blocks in eviction order (front = evicted first); value unused
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.block_by_hash: dict[int, int] = {}  # this table's prefix cache
+        if pool is not None:
+            if pool.num_blocks != num_blocks or pool.block_size != block_size:
+                raise ValueError("a shared pool's tables use its block count and size")
+            self.ref_counts, self.hash_by_block, self.free = pool.ref_counts, pool.hash_by_block, pool.free
+            self._key_owner = pool._key_owner
+        else:
+            self.ref_counts = [0] * num_blocks
+            self.hash_by_block: list[int | None] = [None] * num_blocks
+            # free blocks in eviction order (front = evicted first); value unused
+            self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+            # the prefix cache (a table's block_by_hash) that names each keyed block
+            self._key_owner: list[dict[int, int] | None] = [None] * num_blocks
         self.num_prefix_queries = 0  # prompt tokens looked up (cumulative)
         self.num_prefix_hits = 0  # prompt tokens found (cumulative)
         self.track_new_blocks = False  # a KV tier is attached: collect newly cached blocks for it
@@ -89,10 +95,28 @@ class BlockManager:
     # ------------------------------------------------------------ the request's table in this pool
 
     def table(self, req: Request) -> list[int]:
-        return getattr(req, self._table)  # type: ignore[no-any-return]
+        return req.block_ids
 
     def hashes(self, req: Request) -> list[int]:
-        return getattr(req, self._hashes)  # type: ignore[no-any-return]
+        return req.block_hashes
+
+    def _reset(self, req: Request) -> None:
+        req.block_ids = []
+        req.block_hashes = []
+
+    def _name(self, b: int, h: int) -> None:
+        """Register block ``b`` under key ``h`` in this table's prefix cache."""
+        self.block_by_hash[h] = b
+        self.hash_by_block[b] = h
+        self._key_owner[b] = self.block_by_hash
+
+    def _unname(self, b: int) -> None:
+        """Drop block ``b``'s key from whichever prefix cache names it."""
+        h, owner = self.hash_by_block[b], self._key_owner[b]
+        if h is not None and owner is not None and owner.get(h) == b:
+            del owner[h]
+        self.hash_by_block[b] = None
+        self._key_owner[b] = None
 
     # ------------------------------------------------------------ queries
 
@@ -152,11 +176,8 @@ class BlockManager:
 
     def _take_free(self) -> int:
         b, _ = self.free.popitem(last=False)
-        h = self.hash_by_block[b]
-        if h is not None:  # evict its cached content
-            if self.block_by_hash.get(h) == b:
-                del self.block_by_hash[h]
-            self.hash_by_block[b] = None
+        if self.hash_by_block[b] is not None:  # evict its cached content
+            self._unname(b)
         self.ref_counts[b] = 1
         return b
 
@@ -205,7 +226,7 @@ class BlockManager:
                 if b != FREED_BLOCK:
                     self._hold(b)
             table.extend(cached)
-            setattr(req, self._hashes, list(self.prefix_hashes(req, len(cached))))  # the keys lookup found them by
+            self.hashes(req).extend(self.prefix_hashes(req, len(cached)))  # the keys lookup found them by
         for _ in range(self.blocks_needed(num_tokens) - len(table)):
             table.append(self._take_free())
         return True
@@ -215,8 +236,7 @@ class BlockManager:
         for b in reversed(self.table(req)):
             if b != FREED_BLOCK:
                 self._release(b, f"request {req.request_id}")
-        setattr(req, self._table, [])
-        setattr(req, self._hashes, [])
+        self._reset(req)
 
     def free_before(self, req: Request, position: int) -> int:
         """Give back the request's blocks whose tokens all lie before ``position`` (NOTE(window-blocks));
@@ -253,8 +273,7 @@ class BlockManager:
             hashes.append(h)
             b = table[i]
             if b != FREED_BLOCK and h not in self.block_by_hash and self.hash_by_block[b] is None:
-                self.block_by_hash[h] = b
-                self.hash_by_block[b] = h
+                self._name(b, h)
                 if self.track_new_blocks:
                     self._newly_cached.append((h, b))
 
@@ -278,19 +297,15 @@ class BlockManager:
         """
         for b, h in zip(block_ids, hashes):
             if h not in self.block_by_hash and self.hash_by_block[b] is None:
-                self.block_by_hash[h] = b
-                self.hash_by_block[b] = h
+                self._name(b, h)
             self._hold(b)
         self.hashes(req).extend(hashes)
 
     def release_load(self, block_ids: Sequence[int], num_loaded: int) -> None:
         """A load finished: blocks past ``num_loaded`` hold nothing valid and lose their keys."""
         for i, b in enumerate(block_ids):
-            h = self.hash_by_block[b]
-            if i >= num_loaded and h is not None:
-                if self.block_by_hash.get(h) == b:
-                    del self.block_by_hash[h]
-                self.hash_by_block[b] = None
+            if i >= num_loaded and self.hash_by_block[b] is not None:
+                self._unname(b)
             self._release(b, "a KV tier load")
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -319,5 +334,7 @@ class BlockManager:
             if (rc == 0) != (b in self.free):
                 raise AssertionError(f"block {b}: ref_count {rc} but in free list = {b in self.free}")
         for h, b in self.block_by_hash.items():
+            if self._key_owner[b] is not self.block_by_hash:
+                raise AssertionError(f"block {b} is named {h} here but its key belongs to another table")
             if self.hash_by_block[b] != h:
                 raise AssertionError(f"hash map points {h} -> {b} but block has {self.hash_by_block[b]}")

@@ -81,7 +81,7 @@ class EngineCore:
         self.eos_token_ids = _eos_ids(self.source, [*cfg.eos_token_ids, *extra_eos_token_ids])
         self.block_manager: BlockManager | HybridBlockManager
         if self.runner.window_layers:  # NOTE(hybrid-blocks): the sliding layers' pool of their own
-            self.block_manager = HybridBlockManager(self.runner.num_blocks, self.runner.num_window_blocks,
+            self.block_manager = HybridBlockManager(self.runner.num_blocks, self.runner.num_window_groups,
                                                     cfg.sliding_window, BLOCK_SIZE, config.enable_prefix_caching)  # fmt: skip
         else:
             self.block_manager = BlockManager(self.runner.num_blocks, BLOCK_SIZE, config.enable_prefix_caching)
@@ -137,7 +137,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             dtype=str(self.runner.dtype).removeprefix("torch."),
             device=config.device,
-            num_blocks=self.runner.num_blocks,
+            num_blocks=self._lone_request_blocks(),
             block_size=BLOCK_SIZE,
             attention_backend=self.runner.attention.name,
             quantization=self.runner.quantization,
@@ -148,14 +148,23 @@ class EngineCore:
             weight_bytes=summary["weight_bytes"],
         )
 
+    def _lone_request_blocks(self) -> int:
+        """Blocks of context one request can hold alone (NOTE(kv-capacity) in validation): every block, less,
+        in a hybrid pool, what its sliding tables hold at most during a step (its window and a full step)."""
+        bm = self.block_manager
+        if not isinstance(bm, HybridBlockManager):
+            return bm.num_blocks
+        span = -(-(bm.window - 1 + self.config.max_num_batched_tokens) // BLOCK_SIZE) + 1
+        return max(1, bm.num_blocks - len(bm.groups) * span)
+
     def _freeing_window(self) -> int | None:
         """The window out of which the scheduler frees blocks (NOTE(window-blocks) in the block manager).
 
         NOTE(window-scope): where every layer slides, the request's blocks; where global layers are
-        interleaved (gemma2/3), the sliding layers' own pool (NOTE(hybrid-blocks)), or nothing when they
-        share the global pool (a KV disk tier).  Where every layer slides, a draft model writes and reads
-        the request's blocks from its own progress, which may lag the window (NOTE(draft-blocks)): none
-        are freed while one drafts; a hybrid target's draft reads the global table only, never freed.
+        interleaved (gemma2/3), the sliding layers' own tables (NOTE(hybrid-blocks)), or nothing when they
+        share the global layers' blocks (a KV disk tier, a draft model).  Where every layer slides, a draft
+        model writes and reads the request's blocks from its own progress, which may lag the window
+        (NOTE(draft-blocks)): none are freed while one drafts.
         """
         cfg, spec = self.runner.model_config, self.config.speculative_config
         if self.runner.window_layers:

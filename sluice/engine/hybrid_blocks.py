@@ -1,32 +1,37 @@
-"""Two KV pools for models that interleave sliding-window layers with global ones (gemma2/3).
+"""One KV pool for models that interleave sliding-window layers with global ones (gemma2/3).
 
 NOTE(hybrid-blocks): a global layer reads every key of a request, a sliding
-layer only the last ``window``.  With one pool every block holds both kinds of
-layer, so no block can go back while the request runs (NOTE(window-scope) in
-core.py).  Here each kind has its own pool and its own block table:
+layer only the last ``window``.  With one block holding every layer, no block
+can go back while the request runs.  Here a block (a *page*) holds G layers,
+G the number of global layers, and a request has several tables over the one
+pool of pages:
 
-    global layers:   req.block_ids          [b7 b2 b9 b4 b1]   every block, as for any model
-    sliding layers:  req.window_block_ids   [-1 -1 w3 w8 w5]   blocks out of the window freed
+    global layers (G):            req.block_ids            [p7 p2 p9 p4 p1]  every block
+    sliding layers, group q of G: req.window_block_ids[q]  [-1 -1 p3 p8 p5]  out of the window: freed
 
-Both tables index positions the same way (position p in entry p // 16).  The
-sliding pool frees a block once every token in it is out of the window of the
+The sliding layers are split into R = ceil(sliding / G) groups of at most G,
+each with its own table; the model's K/V cache is G tensors of pages, and
+layer i reads its group's table in tensor ``i``'s slot (KVCache ``layer_slots``).
+All tables index positions the same way (position p in entry p // 16).  A
+sliding table frees a page once every token in it is out of the window of the
 request's next query (``BlockManager.free_before``, NOTE(window-blocks)); the
-global pool never frees one early.  So a request holds ``ceil(window / 16) + 1``
-sliding blocks however long it runs, and the memory the sliding layers would
-have taken for the whole context goes to the global pool (model_runner sizes
-the two).
+global table never frees one early.  Freed pages go back to the one free list,
+so the memory the sliding layers held past their window serves any table of
+any request: a request of C tokens holds C / 16 + R (window / 16 + 1) pages
+where one block of every layer cost (1 + R) C / 16 (about 6.5 pages a block for
+Gemma 3's 5-to-1 layers, 7 here with the last group padded).
 
-The prefix cache spans both pools with the same keys (the chained hash of the
-tokens): a prefix of ``n`` blocks is a hit when the global pool holds all ``n``
-and the sliding pool holds the blocks the first new query sees (those in the
-window before position ``16 n``); the longest such ``n`` wins.  Speculation's
-draft model reads the global table only (its own cache, NOTE(draft-blocks)), so
-it drafts beside a hybrid target unchanged.  The KV disk tier copies one pool's
-blocks and is not offered with two (core.py falls back to one pool then).
+The prefix cache spans the tables with the same keys (the chained hash of the
+tokens), one prefix cache per table: a prefix of ``n`` blocks is a hit when
+the global table's cache holds all ``n`` and every sliding group's holds the
+blocks the first new query sees (those in the window before position 16 n); the
+longest such ``n`` wins.  A draft model's cache and the KV disk tier copy whole
+blocks of every layer: with either, the model runs on one pool of all-layer
+blocks and frees nothing (model_runner ``_window_layers``).
 
-The manager answers the scheduler's calls as a ``BlockManager`` does; an
-allocation succeeds only where both pools have room, and changes neither
-otherwise.
+The manager answers the scheduler's calls as a ``BlockManager`` does: an
+allocation succeeds only when the pool has pages for every table, and changes
+nothing otherwise.
 """
 
 from __future__ import annotations
@@ -40,31 +45,55 @@ __all__ = ["HybridBlockManager", "PrefixHit"]
 
 
 class PrefixHit(list[int]):
-    """A prefix-cache hit: the global pool's blocks (the list) and the sliding table's head (``window``:
-    as long as the list, FREED_BLOCK where no query of the request reads)."""
+    """A prefix-cache hit: the global table's blocks (the list) and each sliding group's table head
+    (``window[q]``: as long as the list, FREED_BLOCK where no query of the request reads)."""
 
-    def __init__(self, blocks: Iterable[int] = (), window: Sequence[int] = ()):
+    def __init__(self, blocks: Iterable[int] = (), window: Sequence[Sequence[int]] = ()):
         super().__init__(blocks)
-        self.window = list(window)
+        self.window = [list(w) for w in window]
 
 
-def _window_head(cached: Sequence[int]) -> list[int]:
-    return cached.window if isinstance(cached, PrefixHit) else [FREED_BLOCK] * len(cached)
+class _GroupTable(BlockManager):
+    """The table of sliding group ``group`` over a shared pool (its own prefix cache)."""
+
+    def __init__(self, pool: BlockManager, group: int):
+        super().__init__(pool.num_blocks, pool.block_size, pool.enable_prefix_caching, pool=pool)
+        self.group = group
+
+    def table(self, req: Request) -> list[int]:
+        while len(req.window_block_ids) <= self.group:
+            req.window_block_ids.append([])
+        return req.window_block_ids[self.group]
+
+    def hashes(self, req: Request) -> list[int]:
+        while len(req.window_block_hashes) <= self.group:
+            req.window_block_hashes.append([])
+        return req.window_block_hashes[self.group]
+
+    def _reset(self, req: Request) -> None:
+        self.table(req).clear()
+        self.hashes(req).clear()
 
 
 class HybridBlockManager:
-    def __init__(self, num_blocks: int, num_window_blocks: int, window: int, block_size: int = 16,
+    def __init__(self, num_blocks: int, num_window_groups: int, window: int, block_size: int = 16,
                  enable_prefix_caching: bool = True):  # fmt: skip
         if window < 1:
             raise ValueError(f"the sliding window must be at least 1 token, got {window}")
+        if num_window_groups < 1:
+            raise ValueError(f"a hybrid pool has at least one sliding group, got {num_window_groups}")
         self.full = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.win = BlockManager(num_window_blocks, block_size, enable_prefix_caching, window_table=True)
+        self.groups = [_GroupTable(self.full, q) for q in range(num_window_groups)]
         self.window = window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.track_new_blocks = False  # no KV tier with two pools
+        self.track_new_blocks = False  # no KV tier on a hybrid pool
 
-    # ------------------------------------------------------------ the pools' figures
+    @property
+    def tables(self) -> list[BlockManager]:
+        return [self.full, *self.groups]
+
+    # ------------------------------------------------------------ the pool's figures
 
     @property
     def num_blocks(self) -> int:
@@ -75,9 +104,12 @@ class HybridBlockManager:
         return self.full.num_free_blocks
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.full.num_used_blocks
+
+    @property
     def usage(self) -> float:
-        """The fuller pool's share in use (the one that turns requests away first)."""
-        return max(self.full.usage, self.win.usage)
+        return self.full.usage
 
     @property
     def num_prefix_queries(self) -> int:
@@ -94,8 +126,12 @@ class HybridBlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return self.full.blocks_needed(num_tokens)
 
+    def window_blocks(self) -> int:
+        """Most pages a request's sliding tables hold after a step: its window's blocks in every group."""
+        return len(self.groups) * (-(-(self.window - 1) // self.block_size) + 1)
+
     def num_held_blocks(self, req: Request) -> int:
-        return self.full.num_held_blocks(req)
+        return sum(t.num_held_blocks(req) for t in self.tables)
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.full.record_lookup(num_prompt_tokens, num_hit_tokens)
@@ -110,59 +146,65 @@ class HybridBlockManager:
         return max(0, num_tokens - self.window + 1) // self.block_size
 
     def lookup_prefix(self, req: Request) -> PrefixHit:
-        """The longest prefix both pools hold: global blocks, and the sliding blocks its first new query reads."""
+        """The longest prefix every table holds: global blocks, and each group's blocks its first new query reads."""
         full = self.full.lookup_prefix(req)
         if not full:
             return PrefixHit()
-        keys = self.win.prefix_hashes(req, len(full))
+        keys = self.full.prefix_hashes(req, len(full))
         for n in range(len(full), 0, -1):
             first = self._first_window_block(n * self.block_size)
-            head = [self.win.block_by_hash.get(h) for h in keys[first:n]]
-            if all(b is not None for b in head):
-                return PrefixHit(full[:n], [FREED_BLOCK] * first + head)  # type: ignore[list-item]
+            heads = [[g.block_by_hash.get(h) for h in keys[first:n]] for g in self.groups]
+            if all(b is not None for head in heads for b in head):
+                return PrefixHit(full[:n], [[FREED_BLOCK] * first + head for head in heads])  # type: ignore[operator]
         return PrefixHit()
 
     # ------------------------------------------------------------ allocation
 
-    def num_blocks_to_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> int:
-        return self.full.num_blocks_to_allocate(req, num_tokens, cached)
+    def _heads(self, cached: Sequence[int]) -> list[list[int]]:
+        if not cached:
+            return [[] for _ in self.groups]
+        if not isinstance(cached, PrefixHit) or len(cached.window) != len(self.groups):
+            raise ValueError("a hybrid pool's prefix blocks come from its own lookup_prefix")
+        return cached.window
 
-    def _window_cached(self, req: Request, cached: Sequence[int]) -> list[int]:
-        # a table freed out of the window at its first allocation: a hit's head, else nothing
-        return _window_head(cached) if cached else []
+    def num_blocks_to_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> int:
+        """Free-list pages ``allocate(req, num_tokens, cached)`` would take, over every table."""
+        heads = self._heads(cached)
+        need = self.full.num_blocks_to_allocate(req, num_tokens, cached)
+        return need + sum(g.num_blocks_to_allocate(req, num_tokens, h) for g, h in zip(self.groups, heads))
 
     def can_allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
-        return self.full.can_allocate(req, num_tokens, cached) and self.win.can_allocate(
-            req, num_tokens, self._window_cached(req, cached)
-        )
+        return self.num_blocks_to_allocate(req, num_tokens, cached) <= self.full.num_free_blocks
 
     def fits_after_preempting(self, req: Request, num_tokens: int, cached: Sequence[int], victims: Sequence[Request]) -> bool:
-        return self.full.fits_after_preempting(req, num_tokens, cached, victims) and self.win.fits_after_preempting(
-            req, num_tokens, self._window_cached(req, cached), victims
-        )
+        need = self.num_blocks_to_allocate(req, num_tokens, cached)
+        return need <= self.full.num_free_blocks + sum(self.num_held_blocks(r) for r in victims)
 
     def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         if not self.can_allocate(req, num_tokens, cached):
             return False
+        heads = self._heads(cached)
         self.full.allocate(req, num_tokens, cached)
-        self.win.allocate(req, num_tokens, self._window_cached(req, cached))
+        for g, head in zip(self.groups, heads):
+            g.allocate(req, num_tokens, head)
         return True
 
     def free_request(self, req: Request) -> None:
-        self.full.free_request(req)
-        self.win.free_request(req)
+        for t in self.tables:
+            t.free_request(req)
+        req.window_block_ids, req.window_block_hashes = [], []
 
     def free_before(self, req: Request, position: int) -> int:
-        """Sliding blocks only: a global layer reads every key."""
-        return self.win.free_before(req, position)
+        """Sliding tables only: a global layer reads every key."""
+        return sum(g.free_before(req, position) for g in self.groups)
 
     def trim(self, req: Request, num_tokens: int) -> None:
-        self.full.trim(req, num_tokens)
-        self.win.trim(req, num_tokens)
+        for t in self.tables:
+            t.trim(req, num_tokens)
 
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
-        self.full.cache_full_blocks(req, num_computed_tokens)
-        self.win.cache_full_blocks(req, num_computed_tokens)
+        for t in self.tables:
+            t.cache_full_blocks(req, num_computed_tokens)
 
     def take_newly_cached(self) -> list[tuple[int, int]]:
         return []
@@ -171,10 +213,24 @@ class HybridBlockManager:
         return self.full.cached_blocks()
 
     def check_invariants(self, requests: Iterable[Request] | None = None) -> None:
-        reqs = list(requests) if requests is not None else None
-        self.full.check_invariants(reqs)
-        self.win.check_invariants(reqs)
-        for r in reqs or ():
-            if r.window_block_ids and len(r.window_block_ids) != len(r.block_ids):
-                raise AssertionError(f"{r.request_id}: sliding table {r.window_block_ids} and global "
-                                     f"table {r.block_ids} cover different positions")  # fmt: skip
+        """The pool's books: every page held (its ref_count the holders over every table) or free, never both;
+        each table's prefix cache names only pages whose key it owns; every table covers the same positions."""
+        for t in self.tables:
+            t.check_invariants(None)
+        if requests is None:
+            return
+        holders = [0] * self.num_blocks
+        for req in requests:
+            for t in self.tables:
+                ids = t.table(req)
+                freed = next((i for i, b in enumerate(ids) if b != FREED_BLOCK), len(ids))
+                if any(b == FREED_BLOCK for b in ids[freed:]):
+                    raise AssertionError(f"{req.request_id}: a freed entry after a held block in {ids}")
+                for b in ids[freed:]:
+                    holders[b] += 1
+            if req.block_ids and any(len(w) != len(req.block_ids) for w in req.window_block_ids):
+                raise AssertionError(f"{req.request_id}: sliding tables {req.window_block_ids} and global "
+                                     f"table {req.block_ids} cover different positions")  # fmt: skip
+        for b, n in enumerate(holders):
+            if self.full.ref_counts[b] != n:
+                raise AssertionError(f"page {b} has ref_count {self.full.ref_counts[b]} but {n} holders")

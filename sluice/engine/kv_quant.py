@@ -145,58 +145,46 @@ class KVCache:
         head_dim: int,
         block_size: int = 16,
         device: torch.device | str = "cpu",
-        window_layers: Sequence[int] = (),
-        num_window_blocks: int = 0,
+        layer_slots: Sequence[int] | None = None,
+        window_groups: dict[int, int] | None = None,
     ):
-        """``window_layers`` (NOTE(hybrid-blocks) in hybrid_blocks.py): the sliding layers of a model that
-        interleaves them with global ones keep their K/V in a pool of their own, ``num_window_blocks`` blocks,
-        addressed by the requests' sliding tables; the other layers' pool has ``num_blocks``."""
+        """``layer_slots`` (NOTE(hybrid-blocks) in hybrid_blocks.py): layer i keeps its K/V in slot
+        ``layer_slots[i]`` of each block, so several layers that read different block tables share one
+        slot of the pool's blocks (a block then holds ``max(layer_slots) + 1`` layers); by default every
+        layer has a slot of its own.  ``window_groups``: sliding layer -> the group whose block table it
+        reads (``AttentionMetadata.window_block_tables``); the other layers read the request's own table."""
         self.fmt = fmt
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.window_layers = frozenset(window_layers)
-        self.num_window_blocks = num_window_blocks if self.window_layers else 0
-        full = [i for i in range(num_layers) if i not in self.window_layers]
-        win = sorted(self.window_layers)
-        if win and (num_window_blocks < 1 or not full or win[-1] >= num_layers):
-            raise ValueError(f"a window pool needs blocks ({num_window_blocks}) and global layers beside {win}")
+        slots = list(layer_slots) if layer_slots is not None else list(range(num_layers))
+        if len(slots) != num_layers or min(slots) < 0:
+            raise ValueError(f"layer_slots must give each of the {num_layers} layers a slot, got {slots}")
+        self.layer_slots = slots
+        self.window_group = dict(window_groups or {})
+        num_slots = max(slots) + 1
+        shape = (num_slots, num_blocks, block_size, num_kv_heads, head_dim)
         dt, dev = fmt.storage_dtype, torch.device(device)
-        row = (block_size, num_kv_heads, head_dim)
         # torch.empty: allocating without zeroing keeps start-up fast; every slot
         # is written before it is read (the slot mapping covers each new token).
-        self.k_all = torch.empty((len(full), num_blocks, *row), dtype=dt, device=dev)
-        self.v_all = torch.empty((len(full), num_blocks, *row), dtype=dt, device=dev)
+        self.k_all = torch.empty(shape, dtype=dt, device=dev)
+        self.v_all = torch.empty(shape, dtype=dt, device=dev)
+        k_slots, v_slots = self.k_all.unbind(0), self.v_all.unbind(0)
+        self.k, self.v = [k_slots[i] for i in slots], [v_slots[i] for i in slots]  # per-layer views
         self._all = [self.k_all, self.v_all]
-        self.k, self.v = self._per_layer(full, win, self.k_all, self.v_all, dt, dev, row)
         self.k_scales: list[torch.Tensor] = []
         self.v_scales: list[torch.Tensor] = []
         if fmt.is_quantized:
-            ks = torch.empty((len(full), num_blocks, *row[:2]), dtype=torch.float32, device=dev)
-            vs = torch.empty((len(full), num_blocks, *row[:2]), dtype=torch.float32, device=dev)
-            self.k_scales, self.v_scales = self._per_layer(full, win, ks, vs, torch.float32, dev, row[:2])
-            self._all += [ks, vs]
-        # the tier's payload: one block of the global pool (a window pool has no tier, hybrid_blocks.py)
-        self.bytes_per_block = fmt.bytes_per_block(len(full), num_kv_heads, head_dim, block_size)
-        self.bytes_per_window_block = fmt.bytes_per_block(len(win), num_kv_heads, head_dim, block_size)
+            ks_all = torch.empty(shape[:4], dtype=torch.float32, device=dev)
+            vs_all = torch.empty(shape[:4], dtype=torch.float32, device=dev)
+            ks, vs = ks_all.unbind(0), vs_all.unbind(0)
+            self.k_scales, self.v_scales = [ks[i] for i in slots], [vs[i] for i in slots]
+            self._all += [ks_all, vs_all]
+        self.bytes_per_block = fmt.bytes_per_block(num_slots, num_kv_heads, head_dim, block_size)
         self._segments = self._layout()
-
-    def _per_layer(self, full: list[int], win: list[int], k_full: torch.Tensor, v_full: torch.Tensor,
-                   dt: torch.dtype, dev: torch.device, row: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
-        """Per-layer views: a global layer's into the global pool, a sliding layer's into the window pool."""
-        k: list[torch.Tensor] = [torch.empty(0)] * self.num_layers
-        v: list[torch.Tensor] = [torch.empty(0)] * self.num_layers
-        for j, i in enumerate(full):
-            k[i], v[i] = k_full[j], v_full[j]
-        if win:
-            k_win = torch.empty((len(win), self.num_window_blocks, *row), dtype=dt, device=dev)
-            v_win = torch.empty((len(win), self.num_window_blocks, *row), dtype=dt, device=dev)
-            for j, i in enumerate(win):
-                k[i], v[i] = k_win[j], v_win[j]
-        return k, v
 
     @property
     def num_bytes(self) -> int:
-        return self.bytes_per_block * self.num_blocks + self.bytes_per_window_block * self.num_window_blocks
+        return self.bytes_per_block * self.num_blocks
 
     # ------------------------------------------------------------ attention side
 

@@ -33,6 +33,7 @@ from sluice.engine.lora_manager import build_lora_batch
 from sluice.engine.protocol import TokenLogprobs
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
+from sluice.engine.spec_config import SpecMethod, SpeculativeConfig
 from sluice.errors import InvalidRequestError
 from sluice.kernels import ext
 from sluice.kernels.autotune import plan_kernels
@@ -89,10 +90,13 @@ class ModelRunner:
         self.kv_format = resolve_kv_format(config.kv_cache_dtype, self.dtype)
         budget = config.kv_cache_memory or int(psutil.virtual_memory().available * config.kv_cache_fraction)
         self.window_layers = self._window_layers()
-        self.num_blocks, self.num_window_blocks = self._split_kv_budget(budget)
+        slots, groups = self._layer_slots()
+        self.num_window_groups = len(set(groups.values()))
+        per_block = self.kv_format.bytes_per_block(max(slots) + 1, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
+        self.num_blocks = max(1, budget // per_block)
         self.kv_cache = KVCache(
             self.kv_format, cfg.num_layers, self.num_blocks, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, self.device,
-            window_layers=self.window_layers, num_window_blocks=self.num_window_blocks,
+            layer_slots=slots, window_groups=groups,
         )
         self.kv_cache_bytes = self.kv_cache.num_bytes
         self.attention = make_attention_backend(
@@ -107,32 +111,35 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
 
     def _window_layers(self) -> list[int]:
-        """The sliding layers that get a KV pool of their own (NOTE(hybrid-blocks)): where they are interleaved
-        with global layers, and no KV disk tier copies blocks (its payload is one pool's block)."""
+        """The sliding layers that read block tables of their own (NOTE(hybrid-blocks)): where they are
+        interleaved with global layers, unless something copies whole blocks of every layer: a KV disk tier
+        (its payload) or a draft model (its cache has a block of every one of its layers per target block)."""
         cfg, config = self.model_config, self.config
         sliding = [i for i in range(cfg.num_layers) if cfg.sliding_window and cfg.is_sliding(i)]
         if not sliding or len(sliding) == cfg.num_layers:
-            return []  # no window, or every layer slides: one pool, freed as a whole (NOTE(window-blocks))
-        if config.kv_disk_dir and config.enable_prefix_caching:
-            log.info("KV disk tier on: the sliding layers share the global layers' KV pool (no blocks freed)")
+            return []  # no window, or every layer slides: one table, freed as a whole (NOTE(window-blocks))
+        why = ("a KV disk tier" if config.kv_disk_dir and config.enable_prefix_caching else
+               "a draft model" if config.speculative_config is not None
+               and SpeculativeConfig.from_dict(config.speculative_config).method is SpecMethod.DRAFT_MODEL else "")  # fmt: skip
+        if why:
+            log.info("%s: the sliding layers share the global layers' blocks (none freed)", why)
             return []
         return sliding
 
-    def _split_kv_budget(self, budget: int) -> tuple[int, int]:
-        """(global pool blocks, sliding pool blocks) for ``budget`` bytes.  The sliding pool gets what every
-        running sequence's window needs (ceil(window / 16) + 2 blocks) plus one full step of new tokens, never
-        more than one pool for all layers would have had; the global pool the rest."""
-        cfg, fmt = self.model_config, self.kv_format
-        nwin = len(self.window_layers)
-        per_full = fmt.bytes_per_block(cfg.num_layers - nwin, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
-        if not nwin:
-            return max(1, budget // per_full), 0
-        per_win = fmt.bytes_per_block(nwin, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE)
-        one_pool = max(1, budget // (per_full + per_win))
-        need = self.config.max_num_seqs * (-(-cfg.sliding_window // BLOCK_SIZE) + 2)
-        need += -(-self.config.max_num_batched_tokens // BLOCK_SIZE)
-        num_win = min(one_pool, need)
-        return max(1, (budget - num_win * per_win) // per_full), num_win
+    def _layer_slots(self) -> tuple[list[int], dict[int, int]]:
+        """Each layer's slot in a block, and each sliding layer's group (NOTE(hybrid-blocks)): a block holds
+        as many layers as the model has global ones; the sliding layers fill groups of that many slots."""
+        num_layers = self.model_config.num_layers
+        if not self.window_layers:
+            return list(range(num_layers)), {}
+        win = set(self.window_layers)
+        width = num_layers - len(win)
+        slots, groups = [0] * num_layers, {}
+        for j, i in enumerate(i for i in range(num_layers) if i not in win):
+            slots[i] = j
+        for m, i in enumerate(sorted(win)):
+            slots[i], groups[i] = m % width, m // width
+        return slots, groups
 
     def _use_work_pool(self, threads: int) -> int:
         """NOTE(work-pool) (``sluice/kernels/csrc/work_pool.h``): where every layer of the model runs on
@@ -174,7 +181,7 @@ class ModelRunner:
             end += n
             if s.samples:  # a drafting decode samples every position from its pending token on
                 sample_idx.extend(range(end - 1 - s.num_spec, end))
-        window = [s.request.window_block_ids for s in sched.scheduled] if self.window_layers else None
+        window = [[s.request.window_block_ids[q] for s in sched.scheduled] for q in range(self.num_window_groups)]
         positions, meta = flat_batch_metadata(rows, BLOCK_SIZE, self.device, window)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -69,10 +69,10 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
-        # NOTE(hybrid-blocks): the sliding-window layers' own table and hashes where global layers are
-        # interleaved (gemma2/3: HybridBlockManager); empty otherwise
-        self.window_block_ids: list[int] = []
-        self.window_block_hashes: list[int] = []
+        # NOTE(hybrid-blocks): the sliding-window layers' tables and hashes, one per group of them, where global
+        # layers are interleaved (gemma2/3: HybridBlockManager); empty otherwise
+        self.window_block_ids: list[list[int]] = []
+        self.window_block_hashes: list[list[int]] = []
         self.status = RequestStatus.WAITING
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1: not looked up yet
         self.num_preemptions = 0

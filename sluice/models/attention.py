@@ -85,10 +85,13 @@ def attend(
     kv, meta = getattr(attention, "kv", None), getattr(attention, "meta", None)
     if kv is None or meta is None:
         return attention(layer, q, k, v, window=window, softcap=softcap, scale=scale)  # type: ignore[no-any-return]
-    # NOTE(hybrid-blocks): a sliding layer with a pool of its own reads and writes through its own tables
-    own = window is not None and layer in getattr(kv, "window_layers", ()) and meta.window_block_tables is not None
-    slots, tables, nblocks = ((meta.window_slot_mapping, meta.window_block_tables, meta.window_num_blocks_per_seq)
-                              if own else (meta.slot_mapping, meta.block_tables, meta.num_blocks_per_seq))  # fmt: skip
+    # NOTE(hybrid-blocks): a sliding layer of a hybrid pool reads and writes through its group's tables
+    group = getattr(kv, "window_group", {}).get(layer) if window is not None else None
+    if group is not None and meta.window_block_tables:
+        slots, tables = meta.window_slot_mapping[group], meta.window_block_tables[group]
+        nblocks = meta.window_num_blocks_per_seq[group]
+    else:
+        slots, tables, nblocks = meta.slot_mapping, meta.block_tables, meta.num_blocks_per_seq
     kv.write(layer, slots, k, v)
     out = torch.empty_like(q)
     for i in range(meta.num_seqs):
