@@ -177,6 +177,34 @@ def test_a_draft_model_or_a_kv_disk_tier_keeps_blocks_of_every_layer(tiny_hybrid
         assert run_plain(engine, p, 60) == hf_greedy(tiny_hybrid, p, 60)
 
 
+def test_speculative_runs_trim_and_free_every_table(tiny_hybrid: Path) -> None:
+    """Verified drafts advance a request several tokens a step and rejected ones leave slots to trim, in the
+    global table and in each sliding one.  The drafts come from an oracle (transformers' tokens, every
+    third step a wrong second draft), so that every step drafts whatever this random model says."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "k_policy": "fixed"}
+    engine = make_engine(tiny_hybrid, speculative_config=spec)
+    assert isinstance(engine.block_manager, HybridBlockManager), "n-gram drafts read no K/V: the tables stay"
+    (p,) = prompts(30, seed=19)
+    ref = hf_greedy(tiny_hybrid, p, 100)
+    calls = [0]
+
+    def oracle(batch: list[tuple[Request, int]], generators: object) -> dict[str, list[int]]:
+        calls[0] += 1
+        out = {}
+        for req, k in batch:
+            drafts = ref[req.num_output_tokens : req.num_output_tokens + k]
+            if calls[0] % 3 == 0 and len(drafts) > 1:
+                drafts[1] = (drafts[1] + 1) % 4000
+            out[req.request_id] = drafts
+        return out
+
+    assert engine.speculator is not None
+    engine.speculator.proposer.propose = oracle  # type: ignore[method-assign]
+    assert run(engine, [("a", p, 100)])["a"] == ref
+    stats = engine.speculator.make_stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"], stats
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
 def test_a_quantized_kv_cache_gives_the_tokens_of_one_pool(tiny_hybrid: Path, kv_dtype: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
