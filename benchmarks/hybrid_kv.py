@@ -8,13 +8,16 @@ read block tables of their own over the one pool, freed out of the window) and `
 K/V in one block, none freed: the engine before this change; the arm patches ``ModelRunner._window_layers``
 to give no layer tables of their own).  For each: the blocks, the tokens one request can hold alone, and a run of
 ``--requests`` long prompts at once: wall time, output tok/s, preemptions, the most sequences running at
-once, and whether both arms' tokens are the same.  Writes section ``hybrid_kv`` of docs/benchmarks.md.
+once, and whether both arms' tokens are the same.  Then the model's layers with options attended by the
+kernel or by the torch path, per prompt length: prefill and decode step.  Writes section ``hybrid_kv`` of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -74,6 +77,51 @@ def run_arm(model: str, arm: str, kv_bytes: int, max_num_seqs: int, prompts: lis
     return res
 
 
+def attention_ab(model: str, prompt_lens: list[int], rounds: int = 2, kv_bytes: int = 512 << 20) -> list[dict[str, Any]]:
+    """Gemma's layers with options (window, soft-capping, own scale) attended by the kernel (``attend_ext``,
+    NOTE(window-keys)) or by the torch path models/attention.py takes without it (the arm sets the backend's
+    ``attend_ext`` to None), alternating on one engine, no prefix cache: one prompt's prefill and its decode
+    steps (median), best round of each."""
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.core import EngineCore
+    from sluice.engine.protocol import EngineRequest, SamplingParams
+
+    core = EngineCore(EngineConfig(model=model, kv_cache_memory=kv_bytes, enable_prefix_caching=False))
+    att = core.runner.attention
+    sp = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+    out = []
+    for n in prompt_lens:
+        best: dict[str, list[float]] = {}
+        tokens: dict[str, list[list[int]]] = {}
+        for r in range(rounds):
+            prompt = _prompts(1, n, seed=100 + r)[0]
+            for arm in ("torch", "kernel"):
+                if arm == "torch":
+                    att.attend_ext = None  # type: ignore[assignment,method-assign]
+                else:
+                    att.__dict__.pop("attend_ext", None)
+                core.add_request(EngineRequest(request_id=f"{arm}-{n}-{r}", prompt_token_ids=prompt, sampling=sp,
+                                               arrival_time=time.monotonic()))  # fmt: skip
+                t0, first, steps, toks = time.perf_counter(), 0.0, [], []
+                while core.has_unfinished_requests():
+                    t = time.perf_counter()
+                    outs = core.step()
+                    if first and toks:
+                        steps.append(time.perf_counter() - t)
+                    for o in outs:
+                        toks.extend(o.new_token_ids)
+                    if not first and toks:
+                        first = time.perf_counter() - t0
+                b = best.setdefault(arm, [float("inf"), float("inf")])
+                b[0], b[1] = min(b[0], first), min(b[1], statistics.median(steps))
+                tokens.setdefault(arm, []).append(toks)
+        att.__dict__.pop("attend_ext", None)
+        for arm in ("torch", "kernel"):
+            out.append({"prompt": n, "arm": arm, "prefill_s": best[arm][0], "decode_ms": 1e3 * best[arm][1],
+                        "same_tokens": tokens["torch"] == tokens["kernel"]})  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -82,6 +130,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--attention-prompts", default="512,3000", help="prompt lengths of the kernel/torch attention arms")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if not Path(args.model).exists():
@@ -95,6 +144,14 @@ def main() -> None:
     head = ["KV layout", "blocks", "KV MiB", "tokens one request can hold", "wall s", "out tok/s", "preemptions",
             "most running at once"]  # fmt: skip
     table = markdown_table(head, rows)
+    att = attention_ab(args.model, [int(x) for x in args.attention_prompts.split(",")])
+    by = {(a["prompt"], a["arm"]): a for a in att}
+    att_table = markdown_table(["prompt tokens", "prefill s: torch / kernel", "decode step ms: torch / kernel",
+                                "same greedy tokens"],
+                               [[n, f"{by[n, 'torch']['prefill_s']:.2f} / {by[n, 'kernel']['prefill_s']:.2f}",
+                                 f"{by[n, 'torch']['decode_ms']:.1f} / {by[n, 'kernel']['decode_ms']:.1f}",
+                                 "yes" if by[n, "kernel"]["same_tokens"] else "NO"]
+                                for n in dict.fromkeys(a["prompt"] for a in att)])  # fmt: skip
     one, hyb = arms
     body = (
         "## Sliding layers' own block tables (`benchmarks/hybrid_kv.py`)\n\n"
@@ -108,14 +165,17 @@ def main() -> None:
         f"{table}\n\n"
         f"Same tokens in both arms: {'yes' if same else 'NO'}. {hyb['most_running']} sequences ran at once with "
         f"{hyb['preemptions']} preemptions, against {one['most_running']} with {one['preemptions']} (the wall time "
-        "moves less: the prefill is most of it).\n"
+        "moves less: the prefill is most of it). The same model's layers with options (sliding window, its own scale) attended in the `cpu_paged` kernel "
+        "(NOTE(window-keys)) or by the torch path used before it, alternating on one engine, one prompt at a "
+        "time, best of 2 rounds:\n\n"
+        f"{att_table}\n"
     )
     print(body)
     if not args.no_write:
         write_section("hybrid_kv", body)
     for a in arms:
         a.pop("tokens")
-    print_json_last({"benchmark": "hybrid_kv", "args": vars(args), "arms": arms, "same_tokens": same})
+    print_json_last({"benchmark": "hybrid_kv", "args": vars(args), "arms": arms, "same_tokens": same, "attention": att})
 
 
 if __name__ == "__main__":

@@ -764,3 +764,6 @@ def test_hybrid_kv_arms_differ_only_in_the_pools(tmp_path: Path, monkeypatch: py
     assert (hyb["sliding_layers"], hyb["layers_a_block"], hyb["blocks"]) == (2, 1, 192), "one global layer a block"
     assert hyb["lone_request_tokens"] > one["lone_request_tokens"] == 64 * 16
     assert hyb["tokens"] == one["tokens"] and all(len(t) == 8 for t in hyb["tokens"].values())
+    att = hybrid_kv.attention_ab(str(model), [40], rounds=1, kv_bytes=kv)
+    assert [(a["prompt"], a["arm"]) for a in att] == [(40, "torch"), (40, "kernel")]
+    assert all(a["same_tokens"] and a["prefill_s"] > 0 and a["decode_ms"] > 0 for a in att)

@@ -222,6 +222,33 @@ class CpuPagedAttention(AttentionBackend):
             None, None, meta.slot_mapping,
         )
 
+    def attend_ext(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+        """A layer with options (models/attention.py): its own scale, a sliding window (NOTE(window-keys) in
+        paged_attention.cpp: no block before the window is read) and soft-capped scores, in the kernel; a
+        sliding layer of a hybrid pool through its group's tables (NOTE(hybrid-blocks))."""
+        meta, kv = self.meta, self.kv
+        assert meta is not None
+        group = kv.window_group.get(layer) if window is not None else None
+        if group is not None and meta.window_block_tables:
+            slots, tables = meta.window_slot_mapping[group], meta.window_block_tables[group]
+        else:
+            slots, tables = meta.slot_mapping, meta.block_tables
+        opts = {"window": int(window or 0), "softcap": float(softcap or 0.0)}
+        q = _rows(q)
+        if kv.fmt.is_quantized:
+            kv.write(layer, slots, k, v)  # quantize, then store
+            return self.kernel.paged_attention(  # type: ignore[no-any-return]
+                q, kv.k[layer], kv.v[layer], kv.k_scales[layer], kv.v_scales[layer],
+                tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, scale, **opts,
+            )
+        cache_dtype = kv.k[layer].dtype
+        return self.kernel.paged_attention(  # type: ignore[no-any-return]
+            q, kv.k[layer], kv.v[layer], self._no_scales, self._no_scales,
+            tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, scale,
+            _rows(k.to(cache_dtype)), _rows(v.to(cache_dtype)), slots, **opts,
+        )
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         assert meta is not None

@@ -6,7 +6,8 @@ The engine's backends (sluice/engine/attention.py) compute plain causal
 attention over the paged cache.  A layer that needs more goes through here:
 
 - a backend that offers ``attend_ext(layer, q, k, v, window=, softcap=, scale=)``
-  runs it itself (none does yet; it must read no block before the window, NOTE(window-read));
+  runs it itself: the ``cpu_paged`` kernel (NOTE(window-keys) in paged_attention.cpp),
+  which reads no block before the window (NOTE(window-read));
 - a paged backend without it (anything with ``kv`` and ``meta``): K/V are stored
   through ``kv.write`` like every other row, then each sequence's keys are read
   back with ``kv.gather`` and attended in torch, in float32, with the mask;
@@ -23,12 +24,11 @@ sliding layers have a pool and block tables of their own, freed the same way
 (NOTE(hybrid-blocks) in sluice/engine/hybrid_blocks.py).
 
 Batch invariance: each sequence is attended on its own, over its own keys in
-order, so its result does not depend on the other sequences of the step.  It
-may depend (in the last bits) on how a prompt was chunked: torch's matmuls
-reduce a row differently for different numbers of rows, where the cpu_paged
-kernel reduces each row over exactly its own keys (NOTE(batch-invariance) in
-sluice/engine/attention.py).  A window and soft-capping in that kernel would
-restore it; the engine would then offer them as ``attend_ext``.
+order, so its result does not depend on the other sequences of the step.  On
+the kernel it does not depend on how a prompt was chunked either (each row is
+reduced over exactly its own keys, NOTE(batch-invariance) in
+sluice/engine/attention.py); on the torch path below it may, in the last bits
+(torch's matmuls reduce a row differently for different numbers of rows).
 """
 
 from __future__ import annotations

@@ -277,3 +277,77 @@ def test_every_head_dim_and_block_size_matches_the_reference(head_dim: int, bloc
         backend.set_metadata(meta)
         outs.append(backend(0, q, k, v))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def _masked_reference(kv: KVCache, meta: AttentionMetadata, q: torch.Tensor, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:  # fmt: skip
+    from sluice.models.attention import masked_attention
+
+    out = []
+    for i in range(meta.num_seqs):
+        s, e, ctx = meta.query_start_loc[i], meta.query_start_loc[i + 1], meta.seq_lens[i]
+        kk, vv = kv.gather(0, meta.block_tables[i, : meta.num_blocks_per_seq[i]].long(), ctx, torch.float32)
+        out.append(masked_attention(q[s:e].float(), kk, vv, scale=scale, window=window, softcap=softcap))
+    return torch.cat(out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize(("window", "softcap"), [(32, None), (600, None), (None, 5.0), (40, 2.0)])
+def test_the_kernel_attends_a_window_and_soft_caps_like_the_masked_reference(kv_dtype: str, head_dim: int,
+                                                                             window: int | None,
+                                                                             softcap: float | None) -> None:  # fmt: skip
+    """NOTE(window-keys): decodes and prefill chunks, rows past one key segment (600-key windows of 1100-token
+    rows are cut), a window starting mid-block; every table entry wholly before the step's window points at
+    a block of NaNs, which any read would spread into the output."""
+    rows = [(100, 1), (37, 1), (700, 1), (1100, 40), (90, 90), (530, 7)]
+    kv = KVCache(resolve_kv_format(kv_dtype, torch.float32), 1, 400, HKV, head_dim)
+    meta, q, k, v = _rows(kv, rows, torch.float32, seed=3)
+    scale = 0.11
+    backend = CpuPagedAttention(kv, scale)
+    backend.set_metadata(meta)
+    got = backend.attend_ext(0, q, k, v, scale=scale, window=window, softcap=softcap)  # writes the new K/V first
+    ref = _masked_reference(kv, meta, q, scale, window, softcap)
+    poisoned = meta.block_tables.clone()
+    if kv.fmt.is_quantized:  # codes of 1 at scales of NaN
+        for x in (kv.k[0][399], kv.v[0][399]):
+            x.fill_(1)
+        for x in (kv.k_scales[0][399], kv.v_scales[0][399]):
+            x.fill_(float("nan"))
+    else:
+        kv.k[0][399].fill_(float("nan"))
+        kv.v[0][399].fill_(float("nan"))
+    for i, (ctx, ql) in enumerate(rows):
+        first = max(0, ctx - ql - (window or ctx) + 1)
+        poisoned[i, : first // kv.block_size] = 399
+    meta.block_tables = poisoned
+    backend.set_metadata(meta)
+    again = backend.attend_ext(0, q, k, v, scale=scale, window=window, softcap=softcap)
+    assert not again.isnan().any(), "a block before the window was read"
+    assert torch.equal(again, got), "the blocks before the window change nothing"
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_a_windowed_row_gives_the_same_bits_however_its_prompt_is_chunked() -> None:
+    """Chunk invariance with a window: the last 30 queries of an 80-token prompt, computed with the first 50 or
+    after them, give the same bits (each row reads exactly its own window, from its own first key)."""
+    g = torch.Generator().manual_seed(5)
+    kv = KVCache(resolve_kv_format("fp32", torch.float32), 1, 16, HKV, D)
+    table = [4, 9, 2, 7, 11]
+    q, k, v = torch.randn(80, H, D, generator=g), torch.randn(80, HKV, D, generator=g), torch.randn(80, HKV, D, generator=g)
+    backend = CpuPagedAttention(kv, 0.125)
+
+    def step(start: int, n: int) -> torch.Tensor:
+        slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(start, start + n)])
+        bt = torch.tensor([table], dtype=torch.int32)
+        meta = AttentionMetadata(slots, [0, n], [start + n], bt, [len(table)], torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([start + n], dtype=torch.int32))  # fmt: skip
+        backend.set_metadata(meta)
+        return backend.attend_ext(0, q[start : start + n], k[start : start + n], v[start : start + n], scale=0.125,
+                                  window=20, softcap=3.0)  # fmt: skip
+
+    whole = step(0, 80)
+    step(0, 50)
+    assert torch.equal(step(50, 30), whole[50:])

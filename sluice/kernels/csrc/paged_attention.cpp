@@ -83,6 +83,8 @@ struct Args {
   float scale;
   const int32_t* work = nullptr;  // NOTE(key-segments): 4 int32 per item (t, hk, k0, slot); nullptr: item = t*Hkv + hk
   float* part = nullptr;          // a split item's partial softmax: slot * group * (D + 2) floats
+  int64_t window = 0;             // NOTE(window-keys): a query sees its last `window` keys only; 0: all
+  float softcap = 0.f;            // scores soft-capped to (-softcap, softcap) by tanh; 0: not
 };
 
 // NOTE(key-segments): a row's keys are cut into segments of kSegKeys, each its own work
@@ -136,6 +138,16 @@ static inline __attribute__((always_inline)) int64_t causal_keys(const Args<scal
   return (int64_t)a.sl[s] - (a.qsl[s + 1] - a.qsl[s]) + (t - a.qsl[s]) + 1;
 }
 
+// NOTE(window-keys): the first key row t attends to.  With a sliding window (gemma2/3's local layers,
+// mistral) its query at position p sees keys p - window + 1 .. p: blocks before that are never read
+// (the engine may have freed them, NOTE(window-blocks)), and the first block is read from that key
+// on.  The keys a row reads and their order depend on its own position only (batch and chunk
+// invariance, as without a window); without one the row starts at key 0, as before, to the bit.
+template <typename scalar_t, typename kv_t>
+static inline __attribute__((always_inline)) int64_t first_key(const Args<scalar_t, kv_t>& a, int64_t t) {
+  return a.window > 0 ? std::max<int64_t>(0, causal_keys(a, t) - a.window) : 0;
+}
+
 // Query head h of row t: the V sum over the softmax's sum.
 template <typename scalar_t, typename kv_t>
 static inline __attribute__((always_inline)) void store_head(const Args<scalar_t, kv_t>& a, int64_t t, int64_t h,
@@ -184,7 +196,7 @@ static inline __attribute__((always_inline)) void attend_block_simd(const float 
                                                                      float* m, float* l, int64_t G,
                                                                      const float* krows, const float* vrows,
                                                                      int64_t row_stride, int64_t nb,
-                                                                     const Prefetch& pf) {
+                                                                     const Prefetch& pf, float softcap) {
   v16 q[kMaxGroup][DV], acc[kMaxGroup][DV];
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < DV; ++c) {
@@ -206,7 +218,9 @@ static inline __attribute__((always_inline)) void attend_block_simd(const float 
           part[j] = v16{};
         }
       }
-      const v16 sc = sum_lanes_of_16(part);
+      v16 sc = sum_lanes_of_16(part);
+      if (softcap > 0.f)
+        for (int j = 0; j < 16; ++j) sc[j] = std::tanh(sc[j] / softcap) * softcap;
       float bm = -INFINITY;
       for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sc[j]);
       const float m_new = std::max(m[g], bm);
@@ -256,7 +270,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
     const int32_t s = a.seq_of[t];
     if (a.skip[s]) continue;
     const int64_t row_keys = causal_keys(a, t);
-    const int64_t k0 = w ? w[2] : 0, slot = w ? w[3] : -1;     // this item's keys: [k0, n_keys)
+    const int64_t k0 = w ? w[2] : first_key(a, t), slot = w ? w[3] : -1;  // this item's keys: [k0, n_keys)
     const int64_t n_keys = slot < 0 ? row_keys : std::min<int64_t>(row_keys, k0 + kSegKeys);
     for (int64_t g = 0; g < G; ++g) {
       const scalar_t* qrow = a.q + t * a.q_row + (hk * G + g) * D;
@@ -268,11 +282,12 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
       l[g] = 0.f;
     }
     const int32_t* table = a.bt + s * a.MB;
-    for (int64_t start = k0; start < n_keys; start += BS) {
-      const int64_t blk = table[start / BS];
-      const int64_t nb = std::min<int64_t>(BS, n_keys - start);
-      const kv_t* kb = a.k + blk * a.kv_block + hk * D;
-      const kv_t* vb = a.v + blk * a.kv_block + hk * D;
+    // blocks from the one holding k0, the first read from k0's row on (NOTE(window-keys))
+    for (int64_t start = k0; start < n_keys; start = (start / BS + 1) * BS) {
+      const int64_t blk = table[start / BS], j0 = start % BS;
+      const int64_t nb = std::min<int64_t>(BS - j0, n_keys - start);
+      const kv_t* kb = a.k + blk * a.kv_block + j0 * a.kv_row + hk * D;
+      const kv_t* vb = a.v + blk * a.kv_block + j0 * a.kv_row + hk * D;
       // NOTE(prefetch): blocks sit anywhere in a cache far larger than the CPU's
       // caches, and 16 rows of one head are too short a stream for the hardware
       // prefetcher: ask for the rows kPrefetchBlocks blocks ahead, running on
@@ -293,7 +308,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
             const int64_t t2 = w2 ? w2[0] : it / Hkv;
             const int32_t s2 = a.seq_of[t2];
             const int64_t n2 = causal_keys(a, t2);
-            ahead += w2 ? w2[2] / BS : 0;  // the next item's first block (its segment's)
+            ahead += (w2 ? w2[2] : first_key(a, t2)) / BS;  // the next item's first block (its segment's)
             if (!a.skip[s2] && t2 == a.qsl[s2] && ahead * BS < n2) {
               tab = a.bt + s2 * a.MB;
               hk2 = w2 ? w2[1] : it % Hkv;
@@ -314,8 +329,8 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
         row_stride = a.kv_row;
       } else {
         if (a.ks != nullptr) {
-          const float* ksb = a.ks + blk * BS * Hkv + hk;  // row j's scale at [j * Hkv]
-          const float* vsb = a.vs + blk * BS * Hkv + hk;
+          const float* ksb = a.ks + (blk * BS + j0) * Hkv + hk;  // row j's scale at [j * Hkv]
+          const float* vsb = a.vs + (blk * BS + j0) * Hkv + hk;
           for (int64_t j = 0; j < nb; ++j) {
             const float kscale = ksb[j * Hkv], vscale = vsb[j * Hkv];
             for (int64_t d = 0; d < D; ++d) {
@@ -336,7 +351,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
       }
       for (int64_t j = nb; j < BS; ++j) prefetch_row(pf, j);  // a short block: the rows the loops below skip
       if constexpr (DV > 0) {  // NOTE(attn-simd)
-        attend_block_simd<DV>(qf, acc, m, l, G, krows, vrows, row_stride, nb, pf);
+        attend_block_simd<DV>(qf, acc, m, l, G, krows, vrows, row_stride, nb, pf, a.softcap);
         continue;
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -346,6 +361,7 @@ static inline __attribute__((always_inline)) void attend_items(const Args<scalar
           float dot = 0.f;
           const float* kr = krows + j * row_stride;
           for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kr[d];
+          if (a.softcap > 0.f) dot = std::tanh(dot / a.softcap) * a.softcap;
           sc[g][j] = dot;
           bm = std::max(bm, dot);
         }
@@ -443,7 +459,7 @@ SLUICE_ATTEND(attend_bf16_i8kv, c10::BFloat16, int8_t)
 template <typename scalar_t, typename kv_t>
 void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& ks,
          const torch::Tensor& vs, const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
-         const torch::Tensor& skip, double scale, torch::Tensor& out) {
+         const torch::Tensor& skip, double scale, int64_t window, double softcap, torch::Tensor& out) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = kc.size(1), Hkv = kc.size(2), S = sl.size(0);
   const int32_t* qslp = qsl.data_ptr<int32_t>();
@@ -459,19 +475,22 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
                          bt.data_ptr<int32_t>(), qslp, sl.data_ptr<int32_t>(), skip.data_ptr<uint8_t>(),
                          seq_of.data(), out.data_ptr<scalar_t>(), q.stride(0), H, D, BS, bt.size(1), H / Hkv, Hkv * D,
                          BS * Hkv * D, (float)scale};
+  a.window = window;
+  a.softcap = (float)softcap;
   // NOTE(key-segments): the work list, only when some row has more than kSegKeys keys
   std::vector<int32_t> work;
   std::vector<int64_t> merges;  // (t, hk, first slot, segments) of each cut row
   int64_t slots = 0;
   bool cut = false;
-  for (int64_t t = 0; t < T && !cut; ++t) cut = !a.skip[seq_of[t]] && causal_keys(a, t) > kSegKeys;
+  for (int64_t t = 0; t < T && !cut; ++t) cut = !a.skip[seq_of[t]] && causal_keys(a, t) - first_key(a, t) > kSegKeys;
   if (cut) {
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t n = a.skip[seq_of[t]] ? 1 : (causal_keys(a, t) + kSegKeys - 1) / kSegKeys;
+      const int64_t f = first_key(a, t);  // segments from the window's first key (NOTE(window-keys))
+      const int64_t n = a.skip[seq_of[t]] ? 1 : (causal_keys(a, t) - f + kSegKeys - 1) / kSegKeys;
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         if (n > 1) merges.insert(merges.end(), {t, hk, slots, n});
         for (int64_t i = 0; i < n; ++i)
-          work.insert(work.end(), {(int32_t)t, (int32_t)hk, (int32_t)(i * kSegKeys), n > 1 ? (int32_t)slots++ : -1});
+          work.insert(work.end(), {(int32_t)t, (int32_t)hk, (int32_t)(f + i * kSegKeys), n > 1 ? (int32_t)slots++ : -1});
       }
     }
   }
@@ -491,12 +510,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& v
 template <typename scalar_t>
 void run_q(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& ks,
            const torch::Tensor& vs, const torch::Tensor& bt, const torch::Tensor& qsl, const torch::Tensor& sl,
-           const torch::Tensor& skip, double scale, torch::Tensor& out) {
+           const torch::Tensor& skip, double scale, int64_t w, double c, torch::Tensor& out) {
   switch (kc.scalar_type()) {
-    case torch::kFloat: return run<scalar_t, float>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
-    case torch::kBFloat16: return run<scalar_t, c10::BFloat16>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
-    case torch::kFloat8_e4m3fn: return run<scalar_t, Fp8>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
-    case torch::kChar: return run<scalar_t, int8_t>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, out);
+    case torch::kFloat: return run<scalar_t, float>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, w, c, out);
+    case torch::kBFloat16: return run<scalar_t, c10::BFloat16>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, w, c, out);
+    case torch::kFloat8_e4m3fn: return run<scalar_t, Fp8>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, w, c, out);
+    case torch::kChar: return run<scalar_t, int8_t>(q, kc, vc, ks, vs, bt, qsl, sl, skip, scale, w, c, out);
     default: TORCH_CHECK(false, "paged_attention: KV cache must be float32, bfloat16, float8_e4m3fn or int8");
   }
 }
@@ -530,7 +549,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor k_scales, torch::Tensor v_scales, torch::Tensor block_tables,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor skip,
                               double scale, std::optional<torch::Tensor> k_new_opt, std::optional<torch::Tensor> v_new_opt,
-                              std::optional<torch::Tensor> slot_mapping_opt) {
+                              std::optional<torch::Tensor> slot_mapping_opt, int64_t window, double softcap) {
   // NOTE(qkv-rows): q may be the QKV projection's output itself, (T, (H + 2 Hkv) D):
   // the heads are sliced here (a few C++ view ops instead of a dozen Python-level
   // ones a layer), the new K/V come from it, and the output is (T, H D).
@@ -582,12 +601,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     write_slots(k_new, k_cache, slots, T);
     write_slots(v_new, v_cache, slots, T);
   }
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap: >= 0 (0: none)");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == torch::kFloat)
-    run_q<float>(q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, skip, scale, out);
+    run_q<float>(q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, skip, scale, window,
+                 softcap, out);
   else if (q.scalar_type() == torch::kBFloat16)
     run_q<c10::BFloat16>(q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, skip,
-                         scale, out);
+                         scale, window, softcap, out);
   else
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 queries only");
   return qkv_rows ? out.view({q.size(0), q.size(1) * q.size(2)}) : out;
@@ -597,10 +618,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   SLUICE_BIND_WORK_POOL(m);
   SLUICE_BIND_SOURCE_HASH(m);
   m.def("paged_attention", &paged_attention, "paged attention over the block tables (CPU); writes k_new/v_new at "
-        "slot_mapping first unless slot_mapping is empty; q may be the (T, (H + 2 Hkv) D) qkv rows",
+        "slot_mapping first unless slot_mapping is empty; q may be the (T, (H + 2 Hkv) D) qkv rows; window: each query "
+        "sees its last `window` keys (0: all); softcap: scores tanh-capped (0: not)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scales"),
         pybind11::arg("v_scales"), pybind11::arg("block_tables"), pybind11::arg("query_start_loc"),
         pybind11::arg("seq_lens"), pybind11::arg("skip"), pybind11::arg("scale"),
         pybind11::arg("k_new") = pybind11::none(), pybind11::arg("v_new") = pybind11::none(),
-        pybind11::arg("slot_mapping") = pybind11::none());
+        pybind11::arg("slot_mapping") = pybind11::none(), pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
 }
