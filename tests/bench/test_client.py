@@ -45,8 +45,12 @@ async def server_factory():
 @pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS])
 async def test_measured_ttft_and_tpot_match_the_servers_pace(server_factory, api):
     url = await server_factory(ttft_ms=80, tokens_per_s=50)  # 20 ms per token
-    recs = await send_all(url, 8, api=api, out=6, conc=4)
-    s = summarize(recs)
+    await send_all(url, 1, api=api, out=1)  # the first connection's set-up is not the server's pace
+    for _ in range(2):  # a loaded 2-core host can stall one burst of the loop (a suite run saw 211 ms): one more try
+        recs = await send_all(url, 8, api=api, out=6, conc=4)
+        s = summarize(recs)
+        if s["num_errors"] == 0 and abs(s["ttft_ms"]["p50"] - 80) <= 15 and abs(s["tpot_ms"]["p50"] - 20) <= 4:
+            break
     assert s["num_errors"] == 0, s["errors"]
     assert s["ttft_ms"]["p50"] == pytest.approx(80, abs=15), "TTFT should be the fake's 80 ms"
     assert s["tpot_ms"]["p50"] == pytest.approx(20, abs=4), "TPOT should be 1/50 s"
