@@ -80,7 +80,7 @@ class EngineCore:
         cfg = self.runner.model_config
         self.eos_token_ids = _eos_ids(self.source, [*cfg.eos_token_ids, *extra_eos_token_ids])
         self.block_manager: BlockManager | HybridBlockManager
-        if self.runner.window_layers:  # NOTE(hybrid-blocks): the sliding layers' pool of their own
+        if self.runner.window_layers:  # NOTE(hybrid-blocks): the sliding layers' own tables over the one pool
             self.block_manager = HybridBlockManager(self.runner.num_blocks, self.runner.num_window_groups,
                                                     cfg.sliding_window, BLOCK_SIZE, config.enable_prefix_caching)  # fmt: skip
         else:
@@ -174,6 +174,8 @@ class EngineCore:
         if spec is not None and SpeculativeConfig.from_dict(spec).method is SpecMethod.DRAFT_MODEL:
             return None
         return cfg.sliding_window
+
+    # ------------------------------------------------------------ speculation
 
     def _load_draft(self, model: str) -> DraftModel:
         source, quantization = draft_source(model, self.source)

@@ -97,7 +97,7 @@ class Scheduler:
         max_loras: int = 1 << 30,  # distinct LoRA adapters among running requests
         adapter_ready: Callable[[Request], bool] | None = None,  # its adapter is in memory (LoRAManager.is_ready)
         kv_tiers: KVTierConnector | None = None,  # tier below the prefix cache (disk), if any
-        sliding_window: int | None = None,  # free the blocks out of it: every layer's window, or a hybrid pool's (NOTE(window-blocks))
+        sliding_window: int | None = None,  # free the blocks out of it: every layer's, or a hybrid pool's sliding tables' (NOTE(window-blocks))
     ):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
