@@ -312,21 +312,29 @@ class BlockManager:
         self.num_prefix_queries += num_prompt_tokens
         self.num_prefix_hits += num_hit_tokens
 
+    def count_holders(self, req: Request, holders: list[int]) -> None:
+        """Add the blocks ``req``'s table in this pool holds to ``holders`` (freed entries must lead the table)."""
+        ids = self.table(req)
+        freed = next((i for i, b in enumerate(ids) if b != FREED_BLOCK), len(ids))
+        if any(b == FREED_BLOCK for b in ids[freed:]):
+            raise AssertionError(f"{req.request_id}: a freed entry after a held block in {ids}")
+        for b in ids[freed:]:
+            holders[b] += 1
+
+    def check_holders(self, holders: list[int]) -> None:
+        """Every block's ref_count is its number of holders."""
+        for b, n in enumerate(holders):
+            if self.ref_counts[b] != n:
+                raise AssertionError(f"block {b} has ref_count {self.ref_counts[b]} but {n} holders")
+
     def check_invariants(self, requests: Iterable[Request] | None = None) -> None:
         """Raise AssertionError where the pool's books disagree.  With ``requests`` (every request that
         holds blocks, while no KV tier load holds any), each block's ref_count must be its number of holders."""
         if requests is not None:
             holders = [0] * self.num_blocks
             for req in requests:
-                ids = self.table(req)
-                freed = next((i for i, b in enumerate(ids) if b != FREED_BLOCK), len(ids))
-                if any(b == FREED_BLOCK for b in ids[freed:]):
-                    raise AssertionError(f"{req.request_id}: a freed entry after a held block in {ids}")
-                for b in ids[freed:]:
-                    holders[b] += 1
-            for b, n in enumerate(holders):
-                if self.ref_counts[b] != n:
-                    raise AssertionError(f"block {b} has ref_count {self.ref_counts[b]} but {n} holders")
+                self.count_holders(req, holders)
+            self.check_holders(holders)
         for b in range(self.num_blocks):
             rc = self.ref_counts[b]
             if rc < 0:

@@ -154,8 +154,7 @@ class EngineCore:
         bm = self.block_manager
         if not isinstance(bm, HybridBlockManager):
             return bm.num_blocks
-        span = -(-(bm.window - 1 + self.config.max_num_batched_tokens) // BLOCK_SIZE) + 1
-        return max(1, bm.num_blocks - len(bm.groups) * span)
+        return max(1, bm.num_blocks - bm.window_blocks(self.config.max_num_batched_tokens))
 
     def _freeing_window(self) -> int | None:
         """The window out of which the scheduler frees blocks (NOTE(window-blocks) in the block manager).

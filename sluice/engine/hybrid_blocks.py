@@ -126,9 +126,10 @@ class HybridBlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return self.full.blocks_needed(num_tokens)
 
-    def window_blocks(self) -> int:
-        """Most pages a request's sliding tables hold after a step: its window's blocks in every group."""
-        return len(self.groups) * (-(-(self.window - 1) // self.block_size) + 1)
+    def window_blocks(self, step_tokens: int) -> int:
+        """Most blocks a request's sliding tables hold during a step of ``step_tokens`` new tokens: in every
+        group, the blocks of its window before the step and of the step's tokens."""
+        return len(self.groups) * (-(-(self.window - 1 + step_tokens) // self.block_size) + 1)
 
     def num_held_blocks(self, req: Request) -> int:
         return sum(t.num_held_blocks(req) for t in self.tables)
@@ -222,15 +223,8 @@ class HybridBlockManager:
         holders = [0] * self.num_blocks
         for req in requests:
             for t in self.tables:
-                ids = t.table(req)
-                freed = next((i for i, b in enumerate(ids) if b != FREED_BLOCK), len(ids))
-                if any(b == FREED_BLOCK for b in ids[freed:]):
-                    raise AssertionError(f"{req.request_id}: a freed entry after a held block in {ids}")
-                for b in ids[freed:]:
-                    holders[b] += 1
+                t.count_holders(req, holders)
             if req.block_ids and any(len(w) != len(req.block_ids) for w in req.window_block_ids):
                 raise AssertionError(f"{req.request_id}: sliding tables {req.window_block_ids} and global "
                                      f"table {req.block_ids} cover different positions")  # fmt: skip
-        for b, n in enumerate(holders):
-            if self.full.ref_counts[b] != n:
-                raise AssertionError(f"page {b} has ref_count {self.full.ref_counts[b]} but {n} holders")
+        self.full.check_holders(holders)  # the tables share the pool's ref counts
