@@ -23,7 +23,8 @@ from sluice.engine.hybrid_blocks import HybridBlockManager, PrefixHit
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.protocol import EngineRequest, SamplingParams
 from sluice.engine.request import Request
-from tests.engine.test_sliding_window_blocks import hf_greedy, prompts
+from tests.engine.test_sliding_window_blocks import hf_greedy, oracle_drafts, prompts
+from tests.engine.test_sliding_window_blocks import run as run_checked
 
 BS = 16
 WINDOW = 32
@@ -65,20 +66,7 @@ def check_blocks(engine: EngineCore) -> None:
 
 
 def run(engine: EngineCore, reqs: list[tuple[str, list[int], int]], abort_at: dict[str, int] | None = None) -> dict[str, list[int]]:
-    for rid, p, n in reqs:
-        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=p,
-                                         sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))  # fmt: skip
-    out: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-            if abort_at and len(out[o.request_id]) == abort_at.get(o.request_id):
-                engine.abort([o.request_id])
-        check_blocks(engine)
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "pages leaked after every request ended"
-    bm.check_invariants([])
-    return out
+    return run_checked(engine, reqs, abort_at, check_blocks)
 
 
 def test_sliding_tables_free_as_the_window_moves_and_tokens_match_transformers(tiny_hybrid: Path) -> None:
@@ -186,20 +174,8 @@ def test_speculative_runs_trim_and_free_every_table(tiny_hybrid: Path) -> None:
     assert isinstance(engine.block_manager, HybridBlockManager), "n-gram drafts read no K/V: the tables stay"
     (p,) = prompts(30, seed=19)
     ref = hf_greedy(tiny_hybrid, p, 100)
-    calls = [0]
-
-    def oracle(batch: list[tuple[Request, int]], generators: object) -> dict[str, list[int]]:
-        calls[0] += 1
-        out = {}
-        for req, k in batch:
-            drafts = ref[req.num_output_tokens : req.num_output_tokens + k]
-            if calls[0] % 3 == 0 and len(drafts) > 1:
-                drafts[1] = (drafts[1] + 1) % 4000
-            out[req.request_id] = drafts
-        return out
-
     assert engine.speculator is not None
-    engine.speculator.proposer.propose = oracle  # type: ignore[method-assign]
+    engine.speculator.proposer.propose = oracle_drafts(ref)  # type: ignore[method-assign]
     assert run(engine, [("a", p, 100)])["a"] == ref
     stats = engine.speculator.make_stats()
     assert stats["spec_accepted_tokens"] > 0 and stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"], stats

@@ -10,6 +10,7 @@ the sliding layers' own pool (tests/engine/test_hybrid_blocks.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,10 @@ def check_blocks(engine: EngineCore) -> None:
         assert FREED_BLOCK not in req.block_ids[freed:], f"{req}: a block the window still reads was freed"
 
 
-def run(engine: EngineCore, reqs: list[tuple[str, list[int], int]], abort_at: dict[str, int] | None = None) -> dict[str, list[int]]:
-    """Run requests (id, prompt, max_tokens) to the end, checking the blocks every step; their output tokens."""
+def run(engine: EngineCore, reqs: list[tuple[str, list[int], int]], abort_at: dict[str, int] | None = None,
+        check: Callable[[EngineCore], None] | None = None) -> dict[str, list[int]]:  # fmt: skip
+    """Run requests (id, prompt, max_tokens) to the end, checking the blocks every step (``check``, default
+    ``check_blocks``); their output tokens.  Nothing may stay held after the last one."""
     for rid, p, n in reqs:
         engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=p,
                                          sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))  # fmt: skip
@@ -93,7 +96,7 @@ def run(engine: EngineCore, reqs: list[tuple[str, list[int], int]], abort_at: di
             out[o.request_id].extend(o.new_token_ids)
             if abort_at and len(out[o.request_id]) == abort_at.get(o.request_id):
                 engine.abort([o.request_id])
-        check_blocks(engine)
+        (check or check_blocks)(engine)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after every request ended"
     bm.check_invariants([])
@@ -161,15 +164,9 @@ def test_freed_blocks_serve_a_prefix_only_while_they_hold_it(tiny_mistral: Path)
     assert engine.block_manager.num_prefix_hits == hits, "the prefix's blocks were reused: no hit"
 
 
-def test_speculative_runs_free_blocks_and_keep_the_greedy_tokens(tiny_mistral: Path) -> None:
-    """Verified drafts advance a request by several tokens a step, and rejected ones leave slots to trim:
-    the window frees blocks through both.  The drafts come from an oracle (transformers' own tokens, every
-    third step with a wrong second draft), so that every step drafts whatever this random model says."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "k_policy": "fixed"}
-    engine = make_engine(tiny_mistral, speculative_config=spec)
-    assert engine.scheduler.sliding_window == WINDOW, "n-gram drafts read no K/V: the window frees blocks"
-    (p,) = prompts(30, seed=19)
-    ref = hf_greedy(tiny_mistral, p, 100)
+def oracle_drafts(ref: list[int]) -> Callable[[list[tuple[Request, int]], object], dict[str, list[int]]]:
+    """A proposer whose drafts are the reference tokens (transformers'), every third call with a wrong second
+    draft: every step drafts whatever a random model says, and some drafts are rejected."""
     calls = [0]
 
     def oracle(batch: list[tuple[Request, int]], generators: object) -> dict[str, list[int]]:
@@ -182,8 +179,20 @@ def test_speculative_runs_free_blocks_and_keep_the_greedy_tokens(tiny_mistral: P
             out[req.request_id] = drafts
         return out
 
+    return oracle
+
+
+def test_speculative_runs_free_blocks_and_keep_the_greedy_tokens(tiny_mistral: Path) -> None:
+    """Verified drafts advance a request by several tokens a step, and rejected ones leave slots to trim:
+    the window frees blocks through both.  The drafts come from an oracle (transformers' own tokens, every
+    third step with a wrong second draft), so that every step drafts whatever this random model says."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "k_policy": "fixed"}
+    engine = make_engine(tiny_mistral, speculative_config=spec)
+    assert engine.scheduler.sliding_window == WINDOW, "n-gram drafts read no K/V: the window frees blocks"
+    (p,) = prompts(30, seed=19)
+    ref = hf_greedy(tiny_mistral, p, 100)
     assert engine.speculator is not None
-    engine.speculator.proposer.propose = oracle  # type: ignore[method-assign]
+    engine.speculator.proposer.propose = oracle_drafts(ref)  # type: ignore[method-assign]
     assert run(engine, [("a", p, 100)])["a"] == ref
     stats = engine.speculator.make_stats()
     assert stats["spec_accepted_tokens"] > 0 and stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"], stats
