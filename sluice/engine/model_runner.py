@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,13 @@ __all__ = ["ModelRunner", "resolve_dtype", "kv_bytes_per_block"]
 log = logging.getLogger("sluice.engine")
 
 _DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, before any engine set it (NOTE(work-pool))
+# NOTE(engine-threads): torch's thread count and sluice's work pool are process state, set by each runner
+# for its own model (NOTE(work-pool)): one on the pool leaves torch one thread, one on BLAS gives torch
+# every thread.  Where several engines share a process (``LLM`` objects side by side, as the benchmarks
+# compare them), the last one built would otherwise set them for all: a float model run after a
+# quantized one was built ran its BLAS on one thread (16 tok/s for SmolLM2 in fp32, against 27).  A
+# runner whose settings the process no longer has puts them back at the start of its step.
+_THREADS_SET_BY: list[weakref.ref[Any] | None] = [None]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,6 +111,8 @@ class ModelRunner:
             config.attention_backend, config.device, self.kv_cache, cfg.head_dim**-0.5
         )
         self.work_pool_threads = self._use_work_pool(threads)
+        self._threads = (torch.get_num_threads(), self.work_pool_threads)  # NOTE(engine-threads)
+        _THREADS_SET_BY[0] = weakref.ref(self)
         self.kernel_path = plan_kernels(self.model)  # on the threads it serves on (NOTE(plan-threads))
         self.sampler = Sampler(seed)
         self.lora_adapters: dict[int, Any] | None = None  # lora_id -> LoRAAdapter in memory (LoRAManager.resident)
@@ -159,6 +169,18 @@ class ModelRunner:
         log.info("kernels' parallel loops on sluice's work pool, %d threads (torch's own ops: 1)", threads)
         return threads
 
+    def _own_threads(self) -> None:
+        """Put back this runner's torch threads and work pool where another runner in the process has set
+        its own since (NOTE(engine-threads)); a no-op while the process has this runner's."""
+        ref = _THREADS_SET_BY[0]
+        if ref is not None and ref() is self:
+            return
+        torch_threads, pool = self._threads
+        if ext.work_pool_threads() != pool:
+            ext.set_work_pool(pool)
+        torch.set_num_threads(torch_threads)
+        _THREADS_SET_BY[0] = weakref.ref(self)
+
     def pool_waits(self) -> ext.PoolWaits:
         """The work pool's waits so far (NOTE(pool-waits) in ``sluice/kernels/csrc/work_pool.h``); zeros while
         this runner's kernels are not on the pool."""
@@ -209,6 +231,8 @@ class ModelRunner:
         # the process, e.g. hypothesis in tests, needs IEEE subnormals); a nested
         # step leaves it to the outer one.
         outer = self._depth == 0
+        if outer:
+            self._own_threads()
         ftz = outer and self.device.type == "cpu" and torch.set_flush_denormal(True)
         self._depth += 1
         try:

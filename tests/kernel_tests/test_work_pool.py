@@ -174,3 +174,32 @@ def test_a_float_model_keeps_torchs_threads(restore_pool: None, tiny_llama_dir: 
     _, eng = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
     assert eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
     assert torch.get_num_threads() == 2
+
+
+def test_engines_in_one_process_each_run_on_their_own_threads(
+    restore_pool: None, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """NOTE(engine-threads): a float model built before a quantized one got torch's one thread from the
+    second (its BLAS ran single-threaded); each runner now puts its own settings back for its step."""
+    path = str(write_tiny_gguf(tiny_llama_dir, tmp_path / "tiny-q4_1.gguf", "Q4_1", "Q8_0"))
+    dense_toks, dense = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
+    quant_toks, quant = _greedy(path, num_threads=2)
+    assert (torch.get_num_threads(), ext.work_pool_threads()) == (1, 2), "the last built set the process"
+    seen: list[tuple[int, int]] = []
+    forward = dense.runner.model.forward
+
+    def spy(*a: object, **kw: object) -> object:
+        seen.append((torch.get_num_threads(), ext.work_pool_threads()))
+        return forward(*a, **kw)
+
+    dense.runner.model.forward = spy  # type: ignore[method-assign]
+    dense.add_request(EngineRequest(request_id="again", prompt_token_ids=[5, 6, 7],
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))  # fmt: skip
+    while dense.has_unfinished_requests():
+        dense.step()
+    assert seen and set(seen) == {(2, 0)}, "the float model's steps ran on torch's two threads, no pool"
+    quant.add_request(EngineRequest(request_id="q", prompt_token_ids=[5, 6, 7],
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))  # fmt: skip
+    while quant.has_unfinished_requests():
+        quant.step()
+    assert (torch.get_num_threads(), ext.work_pool_threads()) == (1, 2), "and the quantized one's on the pool"
