@@ -118,8 +118,11 @@ def _save_cache(doc: dict[str, Any]) -> None:
 
 
 def plan_kernels(model: torch.nn.Module) -> str:
-    """Give every quantized Linear of ``model`` one shared KernelPlan; return a label for reports."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.is_quantized]
+    """Give every Linear of ``model`` that runs on sluice's kernels (quantized, or the batch-invariant float
+    kernel) one shared KernelPlan; return a label for reports.  A float-only layer of such a model (an int4
+    model's float head) takes the plan's default ISA: without a plan it ran the scalar loop, 38 tok/s for
+    SmolLM2 at int4 where int8 made 107."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.needs_op]
     if not linears:
         return ""
     paths = ql.available_paths()

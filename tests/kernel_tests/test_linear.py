@@ -105,3 +105,18 @@ def test_plan_is_filed_under_the_threads_the_gemms_run_on() -> None:
     finally:
         ext.set_work_pool(before_pool)
         torch.set_num_threads(before_torch)
+
+
+def test_a_float_only_layer_of_a_quantized_model_gets_the_plan(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An int4 model's float head (an invariant float layer, no quantized part) ran the scalar loop: it had
+    no plan, and KernelPlan's default is SCALAR.  It now shares the model's plan (its default ISA)."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SLUICE_KERNEL_PATH", raising=False)
+    head = make_linear([torch.randn(64, 32)], invariant=True)
+    model = torch.nn.ModuleList([make_linear([rand_qweight(32, 64, 4, 32)]), head])
+    assert head.plan.default is ql.Path.SCALAR
+    autotune.plan_kernels(model)
+    assert head.plan is model[0].plan and head.plan.default is ql.available_paths()[0]
+    assert head.op is not None
+    x = torch.randn(3, 32)
+    assert torch.equal(head(x)[1:2], head(x[1:2])), "still batch invariant"
