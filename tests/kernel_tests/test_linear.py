@@ -45,16 +45,26 @@ def test_mixed_parts_write_their_own_columns() -> None:
     assert torch.equal(lin(x, residual=resid), expect_r) and lin(x, residual=resid) is resid
 
 
-def test_fp32_parts_are_exact_float_and_batch_invariant() -> None:
-    w = torch.randn(40, 96)
-    assert torch.equal(unpack_fp32(pack_fp32(w), 40), w)
+@pytest.mark.parametrize("n", [40, 117, 2000])  # 3 tiles (a pass of 2, then 1), 8, 125 (chunks on threads)
+def test_fp32_parts_are_exact_float_and_batch_invariant(n: int) -> None:
+    """Every ISA path, every row count (passes of up to 8 rows over up to 4 tiles, NOTE(fp32-streams)):
+    a row's bits do not depend on the rows beside it or on the path."""
+    w = torch.randn(n, 96)
+    assert torch.equal(unpack_fp32(pack_fp32(w), n), w)
     lin = make_linear([w], invariant=True)
-    lin.prepare()
-    rows = torch.randn(9, 96)
-    full = lin(rows)
-    assert torch.allclose(full, rows @ w.T, rtol=1e-5, atol=1e-5)
-    for i in range(9):
-        assert torch.equal(lin(rows[i : i + 1])[0], full[i]), "a row alone gives the same bits as in a batch"
+    rows = torch.randn(19, 96)
+    alone: torch.Tensor | None = None
+    for path in ql.available_paths():
+        lin.plan.default = path
+        lin.prepare()
+        assert lin.op is not None
+        mine = torch.cat([lin(rows[i : i + 1]) for i in range(len(rows))])
+        assert torch.allclose(mine, rows @ w.T, rtol=1e-5, atol=1e-4)
+        if alone is None:
+            alone = mine
+        assert torch.equal(mine, alone), f"{path.label}: the same bits as every other path"
+        for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 19):
+            assert torch.equal(lin(rows[:m]), alone[:m]), f"{path.label}, {m} rows: a row's bits as alone"
 
 
 def test_manifest_rebuilds_the_module_from_its_state_dict() -> None:

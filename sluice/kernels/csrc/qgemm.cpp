@@ -541,16 +541,27 @@ void run_dense_gemm(const float* x, int64_t ldx, int64_t M, const float* wpack, 
   // every int path implies its float ISA: scalar -> scalar, avx2/avxvnni -> avx2, avx512vnni/amx -> avx512
   const int isa = path == kScalar ? 0 : (path == kAvx512Vnni || path == kAmx ? 2 : 1);
   const int64_t NT = (N + kTile - 1) / kTile;
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K * M / 16));
+  // NOTE(fp32-streams) in fp32_tile.h: passes of up to max_rows rows over T adjacent tiles at once
+  const int rmax = fp32_tile::max_rows(isa);
+  const int T = fp32_tile::streams_for(isa, (int)std::min<int64_t>(M, rmax));
+  // a chunk: at least 64 Ki products (as NOTE(gemm-grain) in qgemm.h; 1 Mi before, which put a decode's
+  // whole qkv or o_proj on one thread), in whole groups of T tiles
+  const int64_t per_tile = K * kTile * std::min<int64_t>(std::max<int64_t>(M, 1), 64);
+  int64_t grain = std::max<int64_t>(1, 65536 / per_tile);
+  grain = (grain + T - 1) / T * T;
   sluice::parallel_for(0, NT, grain, [&](int64_t t0, int64_t t1) {
-    alignas(64) float res[4 * kTile];
-    for (int64_t tile = t0; tile < t1; ++tile) {
+    alignas(64) float res[fp32_tile::kMaxStreams * fp32_tile::kMaxRows * kTile];
+    for (int64_t tile = t0; tile < t1;) {
+      const int t = (int)std::min<int64_t>(T, t1 - tile);
+      const int tt = t >= 4 ? 4 : (t >= 2 ? 2 : 1);  // 3 tiles left: a pass of 2, then 1
       const float* wt = wpack + tile * K * kTile;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int r = (int)std::min<int64_t>(4, M - m0);
-        fp32_tile::kTiles[isa][r - 1](x + m0 * ldx, ldx, wt, K, res);
-        store_tile(res, r, m0, tile, N, out, ldo, col0, bias, resid, ldr);
+      for (int64_t m0 = 0; m0 < M; m0 += rmax) {
+        const int r = (int)std::min<int64_t>(rmax, M - m0);
+        fp32_tile::multi(isa, r, tt)(x + m0 * ldx, ldx, wt, K, res);
+        for (int j = 0; j < tt; ++j)
+          store_tile(res + j * fp32_tile::kMaxRows * kTile, r, m0, tile + j, N, out, ldo, col0, bias, resid, ldr);
       }
+      tile += tt;
     }
   });
 }
