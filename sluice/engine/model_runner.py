@@ -88,6 +88,7 @@ class ModelRunner:
             quantization=config.quantization,
             quant_fallback=config.quant_fallback,
         )
+        self.invariant_floats = self._invariant_floats()
         sources = sorted({pw.source or f"int{pw.bits}" for lin in self.model.linears().values() for pw in lin.packed})
         self.quantization = "+".join(sources) or "none"
         self.max_model_len: int = self.model.max_positions
@@ -119,6 +120,21 @@ class ModelRunner:
         self.capture_logits = False  # tests: keep a copy of each step's raw logits
         self._depth = 0  # execute() calls in progress (2 while a step runs nested in another)
         self.last_logits: torch.Tensor | None = None
+
+    def _invariant_floats(self) -> bool:
+        """NOTE(spec-invariance) in ``sluice.engine.spec.verify``: a speculating float32 model runs its linears on
+        the batch-invariant float kernel, not BLAS, whose rounding changes with the rows (a decode's one row
+        against a verification's k + 1): greedy output is then bit-identical to decoding without drafts.  The
+        kernel also reads SmolLM2's float layers faster at 5-16 rows (43 against 60 ms at 5), slower at one
+        (36 against 27).  Not for MoE models (their grouped experts keep their own path).  True if moved."""
+        if (self.config.speculative_config is None or self.device.type != "cpu" or self.dtype != torch.float32
+                or self.model.cfg.num_experts):  # fmt: skip
+            return False
+        moved = [lin.make_invariant() for lin in self.model.linears().values()]
+        if any(moved):
+            self.model.prepare()
+            log.info("speculation: the float32 linears run the batch-invariant float kernel (NOTE(spec-invariance))")
+        return any(moved)
 
     def _window_layers(self) -> list[int]:
         """The sliding layers that read block tables of their own (NOTE(hybrid-blocks)): where they are

@@ -150,6 +150,24 @@ class Linear(nn.Module):
         dtype = self.dense_0.dtype if dense_only and self.parts else torch.float32
         self.register_buffer("bias", b.to(dtype).contiguous(), persistent=True)
 
+    def make_invariant(self) -> bool:
+        """Move the float32 ``dense`` parts (BLAS) onto the batch-invariant float kernel (``fp32`` parts), in
+        place; True if any moved.  Parts in another dtype or off the CPU stay (the kernel is float32, CPU)."""
+        moved = False
+        parts: list[tuple[str, int, int]] = []
+        for kind, i, n in self.parts:
+            w = getattr(self, f"dense_{i}") if kind == "dense" else None
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
+                parts.append((kind, i, n))
+                continue
+            del self._buffers[f"dense_{i}"]
+            self.register_buffer(f"f{i}_data", pack_fp32(w), persistent=True)
+            parts.append(("fp32", i, n))
+            moved = True
+        self.parts = parts
+        self.op = None  # prepare() builds it again
+        return moved
+
     def finish(self) -> None:
         n = sum(p[2] for p in self.parts)
         if n != self.out_features:

@@ -17,13 +17,18 @@ request's sampled output, are bit-identical to non-speculative decoding; the
 distribution of any request's output is the target's, exactly.
 
 NOTE(spec-invariance): bit-identical where the target's kernels are batch
-invariant: quantized weights (the default Q4_1 path, int8/int4 at load) and
-the paged attention on the CPU.  A float model's linears run BLAS, whose
-rounding changes with the number of rows (~1e-5 on SmolLM2's layers), as a
-decode's already does with its batch neighbours: its greedy output can differ
-where two tokens tie within that.  Moving such a model onto the fixed-order
-float kernel would make it exact, but that kernel is ~10x slower than BLAS at
-24 rows (a prefill chunk, a batch of drafts), more than drafting saves.  For a draft
+invariant: quantized weights (the default Q4_1 path, int8/int4 at load), the
+paged attention on the CPU, and a float32 model's linears, which a speculating
+engine moves from BLAS (whose rounding changes with the rows of a step: a gemv
+for a decode's one row, a gemm for a verification's k + 1) onto the fixed-order
+float kernel (``ModelRunner._invariant_floats``).  That kernel, planned and run
+on up to 8 rows over 4 weight streams (NOTE(fp32-streams) in
+``kernels/csrc/fp32_tile.h``), reads SmolLM2's float layers faster than
+two-thread BLAS from 5 rows on and at prefill widths within 10%; slower at one
+row (36 against 27 ms), which a speculating engine rarely runs.  (An earlier note
+here put it at ~10x slower than BLAS: float-only layers then got no kernel plan
+and ran its scalar loop.)  A bfloat16 or MoE model, or a GPU, keeps BLAS: there greedy
+output can differ where two tokens tie within the rounding (~1e-5).  For a draft
 that is one token (n-gram) a draft is kept with probability ``p(draft)``, what
 the classical rejection-sampling rule gives; for a draft model the coupled
 noise (NOTE(coupled-drafts) in ``proposer``) keeps its acceptance close to it.
