@@ -4,7 +4,7 @@ Every kernel path gives bit-identical results (sluice/kernels/csrc/qgemm.h), so
 choosing per (shape, batch bucket) changes speed only, never a result.  The
 first start on a machine times each available path on each quantized shape
 of the model at a few batch sizes (a second or two); the choice is cached in
-``<sluice cache>/autotune-v5.json`` keyed by the CPU (model name, flags) and
+``<sluice cache>/autotune-v6.json`` keyed by the CPU (model name, flags) and
 the threads the GEMMs run on, so later starts pay nothing.
 
 ``SLUICE_KERNEL_PATH=avx2`` (or avx512vnni, avxvnni, scalar) forces one path.
@@ -30,7 +30,10 @@ __all__ = ["plan_kernels", "cpu_key", "kernel_threads", "measure_shape"]
 
 log = logging.getLogger("sluice.kernels")
 
-_REPRESENTATIVE_M = (1, 4, 16, 64, 256)  # one batch size per bucket of linear.BUCKETS
+# NOTE(bucket-8): 5-8 rows (a verification of 4-7 drafts, 5-8 running decodes) have a bucket of their own:
+# in one 5-16 bucket, timed at 16 rows, AMX won (9.3 against 12.4 ms for SmolLM2's layers) and then ran
+# 5 rows at 6.0 ms where AVX-512 VNNI takes 4.8.
+_REPRESENTATIVE_M = (1, 4, 8, 16, 64, 256)  # one batch size per bucket of linear.BUCKETS
 assert len(_REPRESENTATIVE_M) == len(BUCKETS)
 
 
@@ -38,7 +41,7 @@ def _cache_file() -> Path:
     root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sluice"
     )
-    return Path(root) / "autotune-v5.json"
+    return Path(root) / "autotune-v6.json"
 
 
 def kernel_threads() -> int:
@@ -149,7 +152,8 @@ def plan_kernels(model: torch.nn.Module) -> str:
         t0, measured = time.monotonic(), 0
         for shape, pw in shapes.items():
             skey = ",".join(map(str, shape))
-            if skey not in known or any(p not in {q.label for q in paths} for p in known[skey]):
+            if (skey not in known or len(known[skey]) != len(BUCKETS)
+                    or any(p not in {q.label for q in paths} for p in known[skey])):  # fmt: skip
                 known[skey] = [p.label for p in measure_shape(pw, paths)]
                 measured += 1
             plan.by_shape[shape] = [ql.Path[p.upper()] for p in known[skey]]

@@ -31,7 +31,7 @@ __all__ = ["Linear", "KernelPlan", "make_linear", "concat_qweights"]
 
 # NOTE(batch-buckets): batch sizes at which the fastest kernel path may change;
 # a plan maps each bucket to a path (measured by sluice/kernels/autotune.py).
-BUCKETS = (1, 4, 16, 64, (1 << 62))
+BUCKETS = (1, 4, 8, 16, 64, (1 << 62))  # NOTE(bucket-8) in autotune.py
 
 
 @dataclass

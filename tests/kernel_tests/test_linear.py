@@ -83,7 +83,7 @@ def test_plan_measures_each_shape_once_and_caches_it(tmp_path, monkeypatch) -> N
     monkeypatch.delenv("SLUICE_KERNEL_PATH", raising=False)
     model = torch.nn.ModuleList([make_linear([rand_qweight(32, 64, 4, 32)]), make_linear([rand_qweight(32, 64, 4, 32, seed=1)])])
     label = autotune.plan_kernels(model)
-    doc = json.loads((tmp_path / "autotune-v5.json").read_text())
+    doc = json.loads((tmp_path / "autotune-v6.json").read_text())
     (entry,) = doc.values()
     assert list(entry) == ["32,64,0"], "one measurement per distinct shape"
     assert all(p in {p.label for p in ql.available_paths()} for p in entry["32,64,0"])
