@@ -10,7 +10,7 @@ import torch
 
 from sluice.kernels import autotune, ext
 from sluice.kernels import qlinear as ql
-from sluice.kernels.linear import Linear, make_linear, pack_fp32, unpack_fp32
+from sluice.kernels.linear import BUCKETS, Linear, make_linear, pack_fp32, unpack_fp32
 from tests.kernel_tests.test_qgemm import rand_qweight
 
 
@@ -93,6 +93,12 @@ def test_plan_measures_each_shape_once_and_caches_it(tmp_path, monkeypatch) -> N
     monkeypatch.setattr(autotune, "measure_shape", lambda *a: calls.append(a) or [])
     autotune.plan_kernels(model)
     assert not calls, "a second start reads the cache instead of measuring"
+    assert len(entry["32,64,0"]) == len(BUCKETS)
+    entry["32,64,0"] = entry["32,64,0"][:-1]  # a plan of another bucket count (NOTE(bucket-8))
+    (tmp_path / "autotune-v6.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(autotune, "measure_shape", lambda *a: calls.append(a) or [ql.available_paths()[0]] * len(BUCKETS))
+    autotune.plan_kernels(model)
+    assert len(calls) == 1, "a cached plan with another bucket count is measured again"
 
 
 def test_forcing_a_path_the_cpu_lacks_is_a_clear_error(monkeypatch) -> None:  # type: ignore[no-untyped-def]
