@@ -125,8 +125,8 @@ class ModelRunner:
         """NOTE(spec-invariance) in ``sluice.engine.spec.verify``: a speculating float32 model runs its linears on
         the batch-invariant float kernel, not BLAS, whose rounding changes with the rows (a decode's one row
         against a verification's k + 1): greedy output is then bit-identical to decoding without drafts.  The
-        kernel also reads SmolLM2's float layers faster at 5-16 rows (43 against 60 ms at 5), slower at one
-        (36 against 27).  Not for MoE models (their grouped experts keep their own path).  True if moved."""
+        kernel also reads SmolLM2's float layers faster at 5-16 rows (26 against 43 ms at 5), within 4% at
+        one (docs/kernels.md).  Not for MoE models (their grouped experts keep their own path).  True if moved."""
         if (self.config.speculative_config is None or self.device.type != "cpu" or self.dtype != torch.float32
                 or self.model.cfg.num_experts):  # fmt: skip
             return False

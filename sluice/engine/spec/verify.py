@@ -24,8 +24,8 @@ for a decode's one row, a gemm for a verification's k + 1) onto the fixed-order
 float kernel (``ModelRunner._invariant_floats``).  That kernel, planned and run
 on up to 8 rows over 4 weight streams (NOTE(fp32-streams) in
 ``kernels/csrc/fp32_tile.h``), reads SmolLM2's float layers faster than
-two-thread BLAS from 5 rows on and at prefill widths within 10%; slower at one
-row (36 against 27 ms), which a speculating engine rarely runs.  (An earlier note
+two-thread BLAS from 5 rows on (26 against 43 ms at 5), within 4% at one row
+and within 10% at prefill widths (docs/kernels.md).  (An earlier note
 here put it at ~10x slower than BLAS: float-only layers then got no kernel plan
 and ran its scalar loop.)  A bfloat16 or MoE model, or a GPU, keeps BLAS: there greedy
 output can differ where two tokens tie within the rounding (~1e-5).  For a draft
