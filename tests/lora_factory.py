@@ -91,6 +91,7 @@ def merge_into_model(model: Any, adapter_dir: str | Path) -> None:
     """Add an adapter's deltas to a loaded float model's dense weights, in place (a merged reference)."""
     import torch
 
+    from sluice.kernels.linear import pack_fp32, unpack_fp32
     from sluice.models.lora import lora_deltas
 
     cfg = model.cfg
@@ -103,11 +104,14 @@ def merge_into_model(model: Any, adapter_dir: str | Path) -> None:
             attr, row = seam_of[target]
             lin = getattr(model.layers[layer], attr)
             kinds = [k for k, _, _ in lin.parts]
-            if kinds != ["dense"]:
-                raise ValueError(f"merge_into_model needs a float model with one dense part, got {kinds}")
-            w = lin.dense_0
+            if kinds not in (["dense"], ["fp32"]):
+                raise ValueError(f"merge_into_model needs a float model with one float part, got {kinds}")
+            # a float32 model on the engine's float kernel holds its weight packed (NOTE(float-kernel))
+            w = lin.dense_0 if kinds == ["dense"] else unpack_fp32(lin.f0_data, lin.out_features).clone()
             n = shapes[target][0]
             w[row : row + n] = (w[row : row + n].double() + s * (b.double() @ a.double())).to(w.dtype)
+            if kinds == ["fp32"]:
+                lin.f0_data.copy_(pack_fp32(w))
         for lin in model.linears().values():
             lin.prepare()
 

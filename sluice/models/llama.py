@@ -393,7 +393,8 @@ class LlamaForCausalLM(nn.Module):
 
         # NOTE(invariant-floats): in a quantized model the float layers (fallback
         # layers, a float head) run sluice's fixed-order float kernel, not BLAS, so
-        # the whole model is batch invariant; a float model keeps BLAS (fastest).
+        # the whole model is batch invariant.  A float model is loaded with BLAS parts; the engine moves
+        # float32 ones onto the same kernel (NOTE(float-kernel) in sluice.engine.model_runner).
         invariant = any(isinstance(v, QuantWeight) for v in sd.values()) and self.dtype == torch.float32
 
         def parts_of(names: list[str], fused: str | None = None) -> list[WeightValue] | None:
@@ -447,6 +448,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"missing weights: {shown}")
+        for module in self.layers:  # new linears have no C++ op until prepare(): no fused call may use theirs
+            layer = cast(DecoderLayer, module)
+            layer.fused = layer.fused and layer.can_fuse()
+            layer.fused_mlp = layer.fused_mlp and layer.can_fuse_mlp()
 
     def _load_moe(self, moe: MoEBlock, pre: str, take: Callable[..., Any], invariant: bool, dense: Callable[..., Any]) -> None:
         cfg = self.cfg

@@ -116,26 +116,31 @@ def test_greedy_output_is_bit_identical(tiny_llama: Path, batch: int) -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_float32_target_speculates_on_the_invariant_float_kernel(tiny_llama: Path, batch: int) -> None:
-    """NOTE(spec-invariance): a float32 target's linears leave BLAS (whose rounding depends on the rows of
-    the step) for the fixed-order float kernel when it speculates: every verification row has the bits it
-    has decoded alone, so greedy output is that of the same engine without drafts, with scripted rejections."""
+def test_a_float32_target_speculates_on_the_invariant_float_kernel(
+    tiny_llama: Path, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE(spec-invariance), NOTE(float-kernel): a float32 target's linears run the fixed-order float
+    kernel, not BLAS (whose rounding depends on the rows of the step): every verification row has the bits
+    it has decoded alone, so greedy output is that of the same engine without drafts, with scripted
+    rejections."""
     prompts = _prompts(batch)
     plain = _engine(tiny_llama, None, quantization="none")
-    assert not plain.runner.invariant_floats, "without speculation a float model keeps BLAS (fastest at one row)"
+    assert plain.runner.invariant_floats
     base = _run(plain, prompts, _greedy(batch, max_tokens=40))
     engine = _scripted(tiny_llama, base, quantization="none")
-    assert engine.runner.invariant_floats
     kinds = {kind for lin in engine.runner.model.linears().values() for kind, _, _ in lin.parts}
     assert kinds == {"fp32"}, kinds
     assert _run(engine, prompts, _greedy(batch, max_tokens=40)) == base
     drafted, accepted = _spec_stats(engine)
     assert 0 < accepted < drafted, f"kept and rejected drafts ({accepted}/{drafted})"
-    one = _engine(tiny_llama, NGRAM, quantization="none")
-    x = torch.randn(5, one.runner.model_config.hidden_size)
+    x = torch.randn(5, engine.runner.model_config.hidden_size)
     with torch.inference_mode():
-        for lin in (one.runner.model.layers[0].qkv, one.runner.model.embed):
+        for lin in (engine.runner.model.layers[0].qkv, engine.runner.model.embed):
             assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(5)]), lin(x)), "a row's bits as alone"
+    monkeypatch.setenv("SLUICE_FLOAT_KERNEL", "blas")
+    blas = _engine(tiny_llama, NGRAM, quantization="none")
+    assert not blas.runner.invariant_floats
+    assert {kind for lin in blas.runner.model.linears().values() for kind, _, _ in lin.parts} == {"dense"}
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -170,19 +170,30 @@ def test_the_engine_runs_a_quantized_model_on_the_pool_with_the_same_tokens(
     assert eng.runner.work_pool_threads == 0 and single == pooled
 
 
-def test_a_float_model_keeps_torchs_threads(restore_pool: None, tiny_llama_dir: Path) -> None:
-    _, eng = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
-    assert eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
+def test_a_float32_model_runs_on_the_pool_and_blas_keeps_torchs_threads(
+    restore_pool: None, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE(float-kernel): a float32 model's linears run sluice's float kernel, so on the pool; with
+    ``SLUICE_FLOAT_KERNEL=blas`` they stay BLAS matrices on torch's threads; the same tokens (the fixed
+    order and BLAS round differently, but not by a greedy token here)."""
+    kernel, eng = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
+    assert eng.runner.invariant_floats and eng.runner.work_pool_threads == 2 and ext.work_pool_threads() == 2
+    monkeypatch.setenv("SLUICE_FLOAT_KERNEL", "blas")
+    blas, eng = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
+    assert not eng.runner.invariant_floats and eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
     assert torch.get_num_threads() == 2
+    assert kernel == blas
 
 
 def test_engines_in_one_process_each_run_on_their_own_threads(
-    restore_pool: None, tiny_llama_dir: Path, tmp_path: Path
+    restore_pool: None, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE(engine-threads): a float model built before a quantized one got torch's one thread from the
     second (its BLAS ran single-threaded); each runner now puts its own settings back for its step."""
     path = str(write_tiny_gguf(tiny_llama_dir, tmp_path / "tiny-q4_1.gguf", "Q4_1", "Q8_0"))
+    monkeypatch.setenv("SLUICE_FLOAT_KERNEL", "blas")  # a float model on BLAS (NOTE(float-kernel))
     dense_toks, dense = _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
+    monkeypatch.delenv("SLUICE_FLOAT_KERNEL")
     quant_toks, quant = _greedy(path, num_threads=2)
     assert (torch.get_num_threads(), ext.work_pool_threads()) == (1, 2), "the last built set the process"
     seen: list[tuple[int, int]] = []

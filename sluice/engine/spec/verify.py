@@ -17,18 +17,16 @@ request's sampled output, are bit-identical to non-speculative decoding; the
 distribution of any request's output is the target's, exactly.
 
 NOTE(spec-invariance): bit-identical where the target's kernels are batch
-invariant: quantized weights (the default Q4_1 path, int8/int4 at load), the
-paged attention on the CPU, and a float32 model's linears, which a speculating
-engine moves from BLAS (whose rounding changes with the rows of a step: a gemv
-for a decode's one row, a gemm for a verification's k + 1) onto the fixed-order
-float kernel (``ModelRunner._invariant_floats``).  That kernel, planned and run
-on up to 8 rows over 4 weight streams (NOTE(fp32-streams) in
-``kernels/csrc/fp32_tile.h``), reads SmolLM2's float layers faster than
-two-thread BLAS from 5 rows on (26 against 43 ms at 5), within 4% at one row
-and within 10% at prefill widths (docs/kernels.md).  (An earlier note
-here put it at ~10x slower than BLAS: float-only layers then got no kernel plan
-and ran its scalar loop.)  A bfloat16 or MoE model, or a GPU, keeps BLAS: there greedy
-output can differ where two tokens tie within the rounding (~1e-5).  For a draft
+invariant: quantized weights (the default Q4_1 path, int8/int4 at load),
+float32 weights on the fixed-order float kernel (NOTE(float-kernel) in
+``ModelRunner._invariant_floats``), and the paged attention on the CPU.  BLAS
+rounds a decode's one row (a gemv) and a verification's k + 1 (a gemm)
+differently, so a model left on BLAS (bfloat16, an MoE model's float experts,
+a GPU, ``SLUICE_FLOAT_KERNEL=blas``) can give other greedy output where two
+tokens tie within the rounding (~1e-5).  (An earlier note here kept float
+models on BLAS because the float kernel was ~10x slower: float-only layers
+then got no kernel plan and ran its scalar loop.)  For a draft
+For a draft
 that is one token (n-gram) a draft is kept with probability ``p(draft)``, what
 the classical rejection-sampling rule gives; for a draft model the coupled
 noise (NOTE(coupled-drafts) in ``proposer``) keeps its acceptance close to it.
