@@ -767,3 +767,22 @@ def test_hybrid_kv_arms_differ_only_in_the_pools(tmp_path: Path, monkeypatch: py
     att = hybrid_kv.attention_ab(str(model), [40], rounds=1, kv_bytes=kv)
     assert [(a["prompt"], a["arm"]) for a in att] == [(40, "torch"), (40, "kernel")]
     assert all(a["same_tokens"] and a["prefill_s"] > 0 and a["decode_ms"] > 0 for a in att)
+
+
+def test_float_kernel_arms_differ_only_in_the_float_path(tmp_path: Path) -> None:
+    """benchmarks/float_kernel.py: the default arm runs every linear on the float kernel on the work pool,
+    the BLAS arm keeps dense matrices on torch's threads; each reports every figure of the table."""
+    from model_factory import make_tiny_model_dir
+
+    from benchmarks import float_kernel
+
+    model = make_tiny_model_dir(tmp_path / "tiny", "llama", seed=5)  # (the arms' processes share the kernel cache)
+    res = float_kernel.main(["--model", str(model), "--rounds", "1", "--no-write", "--tokens", "4",
+                             "--prefill-repeat", "1", "--rows", "1,5"])  # fmt: skip
+    assert res["kinds"] == {"float kernel": ["fp32"], "BLAS": ["dense"]}
+    assert res["pool_threads"]["BLAS"] == 0 and res["pool_threads"]["float kernel"] == (2 if (os.cpu_count() or 1) >= 2 else 0)
+    for arm in ("float kernel", "BLAS"):
+        assert set(res["median"][arm]) == {"layers_1_ms", "layers_5_ms", "prefill_s", "c1_tok_s", "c8_tok_s"}
+        assert all(v > 0 for v in res["median"][arm].values())
+    with pytest.raises(SystemExit):
+        float_kernel.main(["--rows", "one"])
