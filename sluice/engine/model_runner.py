@@ -127,8 +127,8 @@ class ModelRunner:
         decode's one row, a gemv, and a batch's, a gemm, differently), so a float model has the batch
         invariance of the quantized ones: a seeded request gives the same output under any load, and
         speculation's verification the bits of decoding alone (NOTE(spec-invariance)).  It is also the faster
-        path here: SmolLM2 in fp32, c=1 42.6 against 32 tok/s, c=8 222 against 122, a 600-token prefill 0.55
-        against 0.61 s (the whole model then runs on the work pool and the fused layer ops; docs/kernels.md).
+        path here: SmolLM2 in fp32, c=1 1.3x and c=8 1.8x BLAS's tok/s, a 721-token prefill about the same
+        (the whole model then runs on the work pool and the fused layer ops; benchmarks/float_kernel.py).
         ``SLUICE_FLOAT_KERNEL=blas`` keeps BLAS.  Not for MoE models (their grouped experts keep their own
         path), bfloat16 or a GPU.  True if any linear moved."""
         if (os.environ.get("SLUICE_FLOAT_KERNEL", "") == "blas" or self.device.type != "cpu"
