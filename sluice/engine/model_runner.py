@@ -35,7 +35,7 @@ from sluice.engine.protocol import TokenLogprobs
 from sluice.engine.sampler import Sampler, SamplingRow
 from sluice.engine.scheduler import SchedulerOutput
 from sluice.engine.spec_config import SpecMethod, SpeculativeConfig
-from sluice.errors import InvalidRequestError
+from sluice.errors import ConfigError, InvalidRequestError
 from sluice.kernels import ext
 from sluice.kernels.autotune import plan_kernels
 from sluice.models.loader import ModelSource, load_model
@@ -131,8 +131,10 @@ class ModelRunner:
         (the whole model then runs on the work pool and the fused layer ops; benchmarks/float_kernel.py).
         ``SLUICE_FLOAT_KERNEL=blas`` keeps BLAS.  Not for MoE models (their grouped experts keep their own
         path), bfloat16 or a GPU.  True if any linear moved."""
-        if (os.environ.get("SLUICE_FLOAT_KERNEL", "") == "blas" or self.device.type != "cpu"
-                or self.dtype != torch.float32 or self.model.cfg.num_experts):  # fmt: skip
+        want = os.environ.get("SLUICE_FLOAT_KERNEL", "").strip().lower()
+        if want not in ("", "kernel", "blas"):
+            raise ConfigError(f"SLUICE_FLOAT_KERNEL={want!r}: use kernel (the default) or blas")
+        if want == "blas" or self.device.type != "cpu" or self.dtype != torch.float32 or self.model.cfg.num_experts:
             return False
         moved = [lin.make_invariant() for lin in self.model.linears().values()]
         if any(moved):

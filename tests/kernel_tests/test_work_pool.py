@@ -183,6 +183,9 @@ def test_a_float32_model_runs_on_the_pool_and_blas_keeps_torchs_threads(
     assert not eng.runner.invariant_floats and eng.runner.work_pool_threads == 0 and ext.work_pool_threads() == 0
     assert torch.get_num_threads() == 2
     assert kernel == blas
+    monkeypatch.setenv("SLUICE_FLOAT_KERNEL", "openblas")
+    with pytest.raises(ValueError, match="SLUICE_FLOAT_KERNEL='openblas': use kernel"):
+        _greedy(str(tiny_llama_dir), num_threads=2, dtype="float32")
 
 
 def test_engines_in_one_process_each_run_on_their_own_threads(
