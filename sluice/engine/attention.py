@@ -227,14 +227,25 @@ class CpuPagedAttention(AttentionBackend):
         """A layer with options (models/attention.py): its own scale, a sliding window (NOTE(window-keys) in
         paged_attention.cpp: no block before the window is read) and soft-capped scores, in the kernel; a
         sliding layer of a hybrid pool through its group's tables (NOTE(hybrid-blocks))."""
-        meta, kv = self.meta, self.kv
+        meta = self.meta
         assert meta is not None
-        group = kv.window_group.get(layer) if window is not None else None
+        group = self.kv.window_group.get(layer) if window is not None else None
         if group is not None and meta.window_block_tables:
             slots, tables = meta.window_slot_mapping[group], meta.window_block_tables[group]
         else:
             slots, tables = meta.slot_mapping, meta.block_tables
-        opts = {"window": int(window or 0), "softcap": float(softcap or 0.0)}
+        return self._paged(layer, q, k, v, slots, tables, scale, window=int(window or 0), softcap=float(softcap or 0.0))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None
+        return self._paged(layer, q, k, v, meta.slot_mapping, meta.block_tables, self.scale)
+
+    def _paged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, scale: float, **opts: Any) -> torch.Tensor:  # fmt: skip
+        """Store the step's K/V at ``slots`` and attend over ``tables`` (``opts``: the kernel's window, softcap)."""
+        meta, kv = self.meta, self.kv
+        assert meta is not None
         q = _rows(q)
         if kv.fmt.is_quantized:
             kv.write(layer, slots, k, v)  # quantize, then store
@@ -242,30 +253,12 @@ class CpuPagedAttention(AttentionBackend):
                 q, kv.k[layer], kv.v[layer], kv.k_scales[layer], kv.v_scales[layer],
                 tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, scale, **opts,
             )
+        # NOTE(kv-write) in paged_attention.cpp: the kernel stores the new K/V itself, then attends
         cache_dtype = kv.k[layer].dtype
         return self.kernel.paged_attention(  # type: ignore[no-any-return]
             q, kv.k[layer], kv.v[layer], self._no_scales, self._no_scales,
             tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, scale,
             _rows(k.to(cache_dtype)), _rows(v.to(cache_dtype)), slots, **opts,
-        )
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = self.meta
-        assert meta is not None
-        kv = self.kv
-        q = _rows(q)
-        if kv.fmt.is_quantized:
-            self._write(layer, k, v)  # quantize, then store
-            return self.kernel.paged_attention(  # type: ignore[no-any-return]
-                q, kv.k[layer], kv.v[layer], kv.k_scales[layer], kv.v_scales[layer],
-                meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale,
-            )
-        # NOTE(kv-write) in paged_attention.cpp: the kernel stores the new K/V itself, then attends
-        cache_dtype = kv.k[layer].dtype
-        return self.kernel.paged_attention(  # type: ignore[no-any-return]
-            q, kv.k[layer], kv.v[layer], self._no_scales, self._no_scales,
-            meta.block_tables, meta.query_start_loc_t, meta.seq_lens_t, self._skip, self.scale,
-            _rows(k.to(cache_dtype)), _rows(v.to(cache_dtype)), meta.slot_mapping,
         )
 
 
