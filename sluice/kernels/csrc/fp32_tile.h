@@ -4,7 +4,7 @@
 //
 //   res[r][l] = fma(x[r][k], w[k][l], acc) for k = 0 .. K-1, in order, from 0,
 //
-// for R rows (R <= 4) of one 16-wide tile of weights packed [K][16], on every
+// for R rows of T adjacent 16-wide tiles of weights packed [K][16], on every
 // ISA path (compiled without FP contraction; an fma rounds once everywhere).
 // ``x`` points at the tile's first row, ``ldx`` apart.
 #pragma once
@@ -30,52 +30,14 @@ static void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t K, 
   }
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) static void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t K,
-                                                           float* res) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(w + k * kWidth), w1 = _mm256_loadu_ps(w + k * kWidth + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[r * ldx + k]);
-      a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(res + r * kWidth, a0[r]);
-    _mm256_storeu_ps(res + r * kWidth + 8, a1[r]);
-  }
-}
-
-template <int R>
-__attribute__((target("avx512f,avx2,fma"))) static void tile_avx512(const float* x, int64_t ldx, const float* w,
-                                                                     int64_t K, float* res) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 wv = _mm512_loadu_ps(w + k * kWidth);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, a[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(res + r * kWidth, a[r]);
-}
-
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*);
 
-// [isa: 0 scalar, 1 avx2, 2 avx512][rows - 1]
-static const TileFn kTiles[3][4] = {
-    {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
-    {tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>},
-    {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>},
-};
-
-// NOTE(fp32-streams): the tiles above keep one accumulator chain per row, so at one or two rows (a
-// decode, a verification of few drafts) a thread waits on the fma latency, not on memory: 22 GB/s for
-// SmolLM2's float layers at one row where BLAS's gemv reads 38.  ``multi_*<R, T>`` run T adjacent tiles
-// (T weight streams, packed ``K * kWidth`` floats apart) for R rows at once: R x T independent chains.
-// Each output lane is still fma(x[r][k], w[k][l], acc) for k = 0 .. K-1 in order, from 0: the same bits
-// as ``kTiles`` for any R and T.  ``res`` holds tile t's row r at ``(t * kMaxRows + r) * kWidth``.
+// NOTE(fp32-streams): one tile keeps one accumulator chain per row, so at one or two rows (a decode, a
+// verification of few drafts) a thread waited on the fma latency, not on memory: 22 GB/s for SmolLM2's
+// float layers at one row where BLAS's gemv reads 38.  ``multi_*<R, T>`` run T adjacent tiles (T weight
+// streams, packed ``K * kWidth`` floats apart) for R rows at once: R x T independent chains.  Each output
+// lane is still fma(x[r][k], w[k][l], acc) for k = 0 .. K-1 in order, from 0: the same bits as
+// ``tile_scalar`` for any R and T.  ``res`` holds tile t's row r at ``(t * kMaxRows + r) * kWidth``.
 constexpr int kMaxRows = 8;   // rows in one pass on AVX-512 (R x T <= 16 of its 32 registers)
 constexpr int kMaxStreams = 4;
 
@@ -131,6 +93,14 @@ static void multi_scalar(const float* x, int64_t ldx, const float* w, int64_t K,
       for (int l = 0; l < kWidth; ++l) res[(t * kMaxRows + r) * kWidth + l] = one[r * kWidth + l];
   }
 }
+
+// [isa: 0 scalar, 1 avx2, 2 avx512][rows - 1]: one tile (lora.cpp, moe_op.cpp; ``res`` is [r][16], the
+// layout of ``multi_*<R, 1>``)
+static const TileFn kTiles[3][4] = {
+    {tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>},
+    {multi_avx2<1, 1>, multi_avx2<2, 1>, multi_avx2<3, 1>, multi_avx2<4, 1>},
+    {multi_avx512<1, 1>, multi_avx512<2, 1>, multi_avx512<3, 1>, multi_avx512<4, 1>},
+};
 
 // The most rows of one pass, and the streams for a pass of ``rows`` rows, on an ISA (0 scalar, 1 avx2,
 // 2 avx512): accumulators within the registers (AVX2: 16 ymm, two per row and tile).
