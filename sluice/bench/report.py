@@ -25,7 +25,7 @@ from sluice.bench.record import RequestRecord, write_csv
 from sluice.bench.runner import PhaseResult
 from sluice.bench.summary import summarize
 
-__all__ = ["phase_document", "memory_report", "print_report", "write_outputs", "fmt"]
+__all__ = ["phase_document", "memory_report", "print_report", "speculation_line", "write_outputs", "fmt"]
 
 
 def phase_document(result: PhaseResult, contract: Contract | None) -> dict[str, Any]:
@@ -114,6 +114,17 @@ def _targets_table(targets: list[dict[str, Any]], title: str) -> Table:
     return t
 
 
+def speculation_line(spec: dict[str, Any]) -> str:
+    """One line of the server's speculation counters over a phase (``server_metrics.speculation_report``)."""
+    methods = ", ".join(f"{m} {fmt(100 * v['acceptance_rate'])}%" for m, v in sorted(spec["by_method"].items()) if v.get("drafted"))
+    return (
+        f"  speculation (the server's counters): {spec['drafted']:,} drafted, {spec['accepted']:,} accepted "
+        f"({fmt(100 * spec['acceptance_rate'])}%{'; ' + methods if len(spec['by_method']) > 1 else ''}), "
+        f"{spec['emitted']:,} emitted by verifying steps, mean kept run {fmt(spec['mean_accepted_len'], 2)}, "
+        f"mean k {fmt(spec['mean_k'], 2)}"
+    )
+
+
 def print_report(doc: dict[str, Any], console: Console) -> None:
     """Human tables for a run or a sweep (stdout); the JSON line is printed by the caller."""
     for i, ph in enumerate(doc.get("phases", [doc])):
@@ -131,6 +142,8 @@ def print_report(doc: dict[str, Any], console: Console) -> None:
                 console.print(_class_table(s))
             for reason, n in s["errors"].items():
                 console.print(f"  error x{n}: {reason}")
+        if ph.get("speculation"):
+            console.print(speculation_line(ph["speculation"]))
         if ph["targets"]:
             verdict = "[green]holds[/]" if ph["passed"] else "[red]fails[/]"
             console.print(_targets_table(ph["targets"], f"Contract {doc.get('contract')}: {verdict}"))

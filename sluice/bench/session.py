@@ -22,6 +22,7 @@ from sluice.bench.live import LiveDisplay
 from sluice.bench.record import RequestRecord
 from sluice.bench.report import phase_document
 from sluice.bench.runner import LiveStats, run_phase
+from sluice.bench.server_metrics import scrape, speculation_report
 from sluice.bench.sweep import should_continue, sustainable
 from sluice.bench.workload import WorkloadSpec, generate_requests
 
@@ -80,8 +81,10 @@ async def execute(cfg: BenchConfig, stop: asyncio.Event | None = None) -> tuple[
         cfg.url, model=model, api=cfg.workload.api, api_key=cfg.api_key, timeout_s=cfg.timeout_s,
         ignore_eos=cfg.workload.ignore_eos, extra_body=cfg.extra_body,
     )  # fmt: skip
-    async with client, LiveDisplay(stats, enabled=cfg.show_progress) as display:
+    metrics_session = aiohttp.ClientSession()  # the server's own counters, read around each phase
+    async with metrics_session, client, LiveDisplay(stats, enabled=cfg.show_progress) as display:
         for i, load in enumerate(cfg.loads):
+            before = await scrape(metrics_session, cfg.url, cfg.api_key)
             if cfg.is_sweep:
                 display.label = f"step {i + 1}/{len(cfg.loads)} {load.mode.value} {load.level:g}: "
             # NOTE(seeds): every phase replays the same request sequence, so the
@@ -94,6 +97,9 @@ async def execute(cfg: BenchConfig, stop: asyncio.Event | None = None) -> tuple[
             )  # fmt: skip
             records += result.records
             phases.append(phase_document(result, cfg.contract))
+            spec = speculation_report(before, await scrape(metrics_session, cfg.url, cfg.api_key))
+            if spec is not None:  # NOTE(server-counters) in server_metrics
+                phases[-1]["speculation"] = spec
             if stop.is_set() or (cfg.contract and not should_continue([p["passed"] for p in phases])):  # fmt: skip
                 break
     doc: dict[str, Any] = {

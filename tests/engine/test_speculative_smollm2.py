@@ -42,3 +42,21 @@ def test_greedy_output_is_bit_identical_through_preemption(spec: Any) -> None:
     assert s.num_preemptions > 0, "the KV cache should be small enough to preempt"
     assert s.spec_accepted_tokens > 0, f"drafts should be kept ({s.spec_accepted_tokens}/{s.spec_drafted_tokens})"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_speculative_example_runs_with_the_same_tokens() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "speculative.py"
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "same tokens" in ln]
+    assert [ln.split(": ")[0] for ln in lines] == ["ngram, Q4_1 path", "self:q4, float32 target"], proc.stdout
+    for ln in lines:
+        assert "same tokens: True" in ln, ln
+        m = re.search(r"drafted (\d+), kept (\d+)", ln)
+        assert m and int(m.group(2)) > 0, f"drafts were kept: {ln}"
+    assert "Paris" in proc.stdout, "the float32 answer"
