@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prefill-repeat", type=int, default=40, help="copies of the passage in the prefill prompt")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts of the layers-alone pass")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="float_kernel",
+                    help="the docs/kernels.md section to write (one per CPU kind kept: e.g. float_kernel_epyc)")
     ap.add_argument("--_arm", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"`python benchmarks/float_kernel.py` ({args.model}, {machine_line()}; each arm in its own process, "
             f"medians of {args.rounds} alternating rounds; `kernel speed-up` > 1: the float kernel is faster; "
             f"greedy tokens of the two arms {'the same' if same else 'NOT the same'}):", "", table, ""])  # fmt: skip
-        write_section("float_kernel", body, DOC)
+        write_section(args.section, body, DOC)
     print_json_last(result)
     return result
 

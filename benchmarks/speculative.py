@@ -14,7 +14,10 @@ Three parts:
               slot cap at the level, so a steady load): off, fixed k=4, adaptive; drafted / kept
               tokens and the mean k the policy chose; ``docs/speculative.png`` plots tok/s against concurrency
 
-Each figure is the median of ``--rounds`` runs, modes interleaved.  Prints tables, writes the
+Each figure is the median of ``--rounds`` runs, modes interleaved.  NOTE(paired-rounds): these hosts'
+speed moves by 10-20% within minutes (other tenants), more than the effect at c=32, so the n-gram table
+also gives each round's ratio to the "off" run just before it, as median (min-max): a mode that never
+loses has its whole range at or above 1, whatever the host did between rounds.  Prints tables, writes the
 ``speculative`` section of docs/speculative.md (unless ``--no-write``), and prints one JSON line last.
 """
 
@@ -95,15 +98,24 @@ def _run(llm: Any, prompts: list[list[int]], tokens: int, concurrency: int,
 
 
 def _median_runs(modes: dict[str, Any], prompts: dict[str, list[list[int]]], tokens: int, concurrency: int,
-                 rounds: int) -> dict[str, tuple[float, list[list[int]], dict[str, Any]]]:  # fmt: skip
-    """Each mode's median tok/s over ``rounds`` interleaved runs (its last run's tokens and counters)."""
-    tps: dict[str, list[float]] = {m: [] for m in modes}
+                 rounds: int, per_round: dict[str, list[float]] | None = None,
+                 ) -> dict[str, tuple[float, list[list[int]], dict[str, Any]]]:  # fmt: skip
+    """Each mode's median tok/s over ``rounds`` interleaved runs (its last run's tokens and counters);
+    ``per_round`` (if given) gets every run's tok/s by mode, in round order."""
+    tps: dict[str, list[float]] = {m: [] for m in modes} if per_round is None else per_round
     last: dict[str, tuple[float, list[list[int]], dict[str, Any]]] = {}
     for _ in range(rounds):
         for name, llm in modes.items():
             last[name] = _run(llm, prompts[name], tokens, concurrency)
-            tps[name].append(last[name][0])
+            tps.setdefault(name, []).append(last[name][0])
     return {m: (statistics.median(tps[m]), *last[m][1:]) for m in modes}
+
+
+def paired_ratios(tps: dict[str, list[float]], mode: str, base: str = "off") -> tuple[float, float, float]:
+    """(min, median, max) over rounds of ``mode``'s tok/s over ``base``'s in the same round: the two ran
+    back to back, so a round's ratio sees the same host load (NOTE(paired-rounds))."""
+    r = sorted(a / b for a, b in zip(tps[mode], tps[base], strict=True))
+    return r[0], statistics.median(r), r[-1]
 
 
 def bench_self(model: str, tokens: int, rounds: int) -> tuple[list[list[object]], dict[str, Any]]:
@@ -147,13 +159,17 @@ def bench_ngram(model: str, tokens: int, levels: list[int], rounds: int, n_promp
     rows, out = [], {}
     for c in levels:
         n = max(n_prompts, 3 * c)  # past the first wave, slots free one by one: a steady c running
-        res = _median_runs(modes, {m: p[:n] for m, p in prompts.items()}, tokens, c, rounds)
+        runs: dict[str, list[float]] = {}
+        res = _median_runs(modes, {m: p[:n] for m, p in prompts.items()}, tokens, c, rounds, runs)
         base = res["off"]
         for m, (tps, toks, spec) in res.items():
-            rows.append([c, m, tps, tps / base[0], spec["accept_rate"] if spec["drafted"] else "-",
+            lo, mid, hi = paired_ratios(runs, m)
+            rows.append([c, m, tps, tps / base[0], f"{mid:.3g} ({lo:.3g}-{hi:.3g})",
+                         spec["accept_rate"] if spec["drafted"] else "-",
                          spec["mean_accepted_len"] if spec["drafted"] else "-", f"{spec['mean_k']:.2f}",
                          toks == base[1]])  # fmt: skip
-            out[f"c{c}_{m}"] = {"tok_s": tps, "speedup": tps / base[0], **spec, "same_tokens": toks == base[1]}
+            out[f"c{c}_{m}"] = {"tok_s": tps, "speedup": tps / base[0], "paired": [lo, mid, hi], "runs": runs[m],
+                                **spec, "same_tokens": toks == base[1]}  # fmt: skip
     return rows, out
 
 
@@ -307,7 +323,8 @@ def bench_llama1b(target: Path, draft: Path, tokens: int, rounds: int, n_prompts
 # ---------------------------------------------------------------- one speculative step at its seams
 
 
-def spec_step_profile(target: str, spec: dict[str, Any] | None, steps: int = 12, ctx: int = 128) -> dict[str, Any]:
+def spec_step_profile(target: str, spec: dict[str, Any] | None, steps: int = 12, ctx: int = 128,
+                      **engine_kw: Any) -> dict[str, Any]:  # fmt: skip
     """One decode step of one request (``ctx``-token prompt), split at the speculation's seams (ms per step),
     with the tokens it emits, the weight bytes its forwards read and the rate they read them at."""
     from benchmarks._step_profile import _Timer, read_bandwidth_gb_s, weight_bytes
@@ -315,7 +332,8 @@ def spec_step_profile(target: str, spec: dict[str, Any] | None, steps: int = 12,
     from sluice.engine.core import EngineCore
     from sluice.engine.protocol import EngineRequest, SamplingParams
 
-    core = EngineCore(EngineConfig(model=target, max_num_seqs=1, kv_cache_memory=1 << 30, speculative_config=spec))
+    core = EngineCore(EngineConfig(model=target, max_num_seqs=1, kv_cache_memory=1 << 30, speculative_config=spec,
+                                   **engine_kw))  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=ctx * 4, ignore_eos=True)
     core.add_request(EngineRequest(request_id="p", prompt_token_ids=_id_prompts(1, ctx, seed=7)[0], sampling=sp,
                                    arrival_time=time.monotonic()))  # fmt: skip
@@ -429,7 +447,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="self,ngram,llama1b,profile",
                     help="comma-separated: self, ngram (SmolLM2), llama1b (Q8_0 target + Q4_0 draft, llama-server), "
-                         "profile (one step of the Llama-1B target at k=0 and k=4)")  # fmt: skip
+                         "profile (one step at k=0 and k=4: SmolLM2 fp32 + self:q4, and the Llama-1B pair)")  # fmt: skip
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", type=int, default=96, help="max output tokens per request")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
@@ -445,6 +463,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: found as serving.py finds it)")
     ap.add_argument("--no-llama", action="store_true", help="llama1b: sluice arms only")
     ap.add_argument("--no-write", action="store_true", help="write no doc")
+    ap.add_argument("--section", default="speculative",
+                    help="self,ngram: the docs/speculative.md section to write (e.g. speculative_epyc for a second CPU)")
     ap.add_argument("--no-benchmarks-md", action="store_true", help="write docs/speculative.md only")
     args = ap.parse_args()
     if args.small:
@@ -455,7 +475,7 @@ def main() -> None:
     unknown = set(parts) - {"self", "ngram", "llama1b", "profile"}
     if unknown:
         ap.error(f"unknown part(s) {sorted(unknown)}: use self, ngram, llama1b, profile")
-    if {"llama1b", "profile"} & set(parts):
+    if "llama1b" in parts:
         for f in (args.target, args.draft):
             if not f.is_file():
                 ap.error(f"{f}: no such file (python benchmarks/make_llama1b_gguf.py writes the pair)")
@@ -475,16 +495,17 @@ def main() -> None:
                          "(`same tokens`: against the same target without drafts).", "", table, ""]
         if "ngram" in parts:
             rows, result["ngram"] = bench_ngram(args.model, args.tokens, args.levels, args.rounds, args.prompts)
-            table = markdown_table(["c", "input-grounded", "tok/s", "x off", "accepted", "mean kept run", "mean k",
-                                    "same tokens"], rows)  # fmt: skip
+            table = markdown_table(["c", "input-grounded", "tok/s", "x off", "x off by round: median (min-max)",
+                                    "accepted", "mean kept run", "mean k", "same tokens"], rows)  # fmt: skip
             print(table)
             sections += ["N-gram drafts on the Q4_1 path, answers that copy from the prompt.", "", table, ""]
         sections[0] = sections[0].replace("at the start):", f"at the start, {os.getloadavg()[0]:.2f} at the end):")
         if write and "ngram" in parts:
-            plot(result["ngram"], args.levels, PLOT)
-            sections += ["![tok/s against concurrency](speculative.png)", ""]
+            png = PLOT if args.section == "speculative" else DOCS / f"{args.section}.png"
+            plot(result["ngram"], args.levels, png)
+            sections += [f"![tok/s against concurrency]({png.name})", ""]
         if write and "self" in parts and "ngram" in parts:
-            write_section("speculative", "\n".join(sections), DOC)
+            write_section(args.section, "\n".join(sections), DOC)
     if "llama1b" in parts:
         llama_bin = None if args.no_llama else find_llama_server(args.llama_server)
         rows, res = bench_llama1b(args.target, args.draft, args.tokens, args.rounds, args.llama_prompts, args.k,
@@ -506,23 +527,43 @@ def main() -> None:
             if not args.no_benchmarks_md:
                 write_section("speculative_llama1b", body)
     if "profile" in parts:
-        draft_cfg = {"model": str(args.draft), "num_speculative_tokens": 4, "k_policy": "fixed"}
+        how = ("one request, a 128-token prompt of random ids, greedy; 12 decode steps timed at the engine's seams "
+               "(`time.perf_counter` around each), after 6 untimed ones.")  # fmt: skip
         load0 = os.getloadavg()[0]
-        profiles = {
-            "k=0 (Q8_0 target alone)": spec_step_profile(str(args.target), None),
-            "k=4 (Q8_0 + Q4_0 draft, fixed)": spec_step_profile(str(args.target), draft_cfg),
-            "Q4_0 alone": spec_step_profile(str(args.draft), None),
+        self_q4 = {**SELF_Q4, "k_policy": "fixed"}
+        profiles = {  # the self-speculation target (SmolLM2 float32) at k=0 and k=4
+            "k=0 (fp32 target alone)": spec_step_profile(args.model, None, quantization="none"),
+            "k=4 (fp32 + self:q4, fixed)": spec_step_profile(args.model, self_q4, quantization="none"),
+            "Q4_1 path alone": spec_step_profile(args.model, None),
         }
-        result["profile"] = profiles
+        result["profile_self"] = profiles
         table = profile_table(profiles)
-        print(table)
+        print(table, "\n")
         body = "\n".join([
-            f"`python benchmarks/speculative.py --parts profile` ({machine_line()}; 1-min load average {load0:.2f} at "
-            f"the start, {os.getloadavg()[0]:.2f} at the end): one request, a 128-token prompt of random ids, greedy; "
-            "12 decode steps timed at the engine's seams (`time.perf_counter` around each), after 6 untimed ones.",
-            "", table, ""])  # fmt: skip
+            f"`python benchmarks/speculative.py --parts profile` ({args.model}; {machine_line()}; 1-min load average "
+            f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end): the float32 target drafted by its own "
+            f"Q4_1 weights; {how}", "", table, ""])  # fmt: skip
         if write:
-            write_section("speculative_profile", body, DOC)
+            write_section("speculative_profile_self", body, DOC)
+        if args.target.is_file() and args.draft.is_file():
+            draft_cfg = {"model": str(args.draft), "num_speculative_tokens": 4, "k_policy": "fixed"}
+            load0 = os.getloadavg()[0]
+            profiles = {
+                "k=0 (Q8_0 target alone)": spec_step_profile(str(args.target), None),
+                "k=4 (Q8_0 + Q4_0 draft, fixed)": spec_step_profile(str(args.target), draft_cfg),
+                "Q4_0 alone": spec_step_profile(str(args.draft), None),
+            }
+            result["profile"] = profiles
+            table = profile_table(profiles)
+            print(table)
+            body = "\n".join([
+                f"`python benchmarks/speculative.py --parts profile` ({machine_line()}; 1-min load average {load0:.2f} at "
+                f"the start, {os.getloadavg()[0]:.2f} at the end): the Llama-1B shape; {how}", "", table, ""])  # fmt: skip
+            if write:
+                write_section("speculative_profile", body, DOC)
+        else:
+            print(f"profile: no {args.target.name} / {args.draft.name} (python benchmarks/make_llama1b_gguf.py "
+                  "writes them): the Llama-1B profile is left as it is", file=sys.stderr)  # fmt: skip
     print_json_last(result)
 
 

@@ -786,3 +786,27 @@ def test_float_kernel_arms_differ_only_in_the_float_path(tmp_path: Path) -> None
         assert all(v > 0 for v in res["median"][arm].values())
     with pytest.raises(SystemExit):
         float_kernel.main(["--rows", "one"])
+
+
+def test_speculative_paired_ratios_compare_each_round_with_its_own_off_run() -> None:
+    from benchmarks import speculative
+
+    runs = {"off": [100.0, 200.0, 150.0], "ngram adaptive": [99.0, 260.0, 150.0]}
+    lo, mid, hi = speculative.paired_ratios(runs, "ngram adaptive")
+    assert (lo, mid, hi) == pytest.approx((0.99, 1.0, 1.3)), "per round, not the ratio of medians (150/150)"
+    with pytest.raises(ValueError):
+        speculative.paired_ratios({"off": [1.0], "x": [1.0, 2.0]}, "x")
+
+
+def test_speculative_ngram_part_reports_every_level_and_round() -> None:
+    """benchmarks/speculative.py's n-gram part on SmolLM2, as small as it goes: every mode at every level,
+    the same greedy tokens with and without drafts, the per-round ratios."""
+    from benchmarks import speculative
+
+    rows, out = speculative.bench_ngram("smollm2", tokens=12, levels=[1, 2], rounds=2, n_prompts=2)
+    assert [(r[0], r[1]) for r in rows] == [(c, m) for c in (1, 2) for m in ("off", "ngram k=4", "ngram adaptive")]
+    for key, v in out.items():
+        assert v["same_tokens"] is True, key
+        assert len(v["runs"]) == 2 and v["paired"][0] <= v["paired"][1] <= v["paired"][2]
+    assert out["c1_off"]["paired"] == [1.0, 1.0, 1.0]
+    assert out["c1_ngram k=4"]["drafted"] > 0, "a copying answer drafts"
