@@ -17,7 +17,9 @@ Three parts:
 Each figure is the median of ``--rounds`` runs, modes interleaved.  NOTE(paired-rounds): these hosts'
 speed moves by 10-20% within minutes (other tenants), more than the effect at c=32, so the n-gram table
 also gives each round's ratio to the "off" run just before it, as median (min-max): a mode that never
-loses has its whole range at or above 1, whatever the host did between rounds.  Prints tables, writes the
+loses has its whole range at or above 1, whatever the host did between rounds.  A second engine without
+drafts ("off, a second engine") runs in every round too: its range is what the host alone does to a
+ratio, so a mode whose range sits inside it is not told apart from "off" by this run.  Prints tables, writes the
 ``speculative`` section of docs/speculative.md (unless ``--no-write``), and prints one JSON line last.
 """
 
@@ -150,6 +152,7 @@ def bench_ngram(model: str, tokens: int, levels: list[int], rounds: int, n_promp
     seqs = max(levels)
     modes = {
         "off": LLM(model, max_num_seqs=seqs),
+        "off, a second engine": LLM(model, max_num_seqs=seqs),  # NOTE(paired-rounds): the host's own spread
         "ngram k=4": LLM(model, max_num_seqs=seqs, speculative_config={**NGRAM, "k_policy": "fixed"}),
         "ngram adaptive": LLM(model, max_num_seqs=seqs, speculative_config=NGRAM),
     }

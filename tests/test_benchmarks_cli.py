@@ -804,7 +804,7 @@ def test_speculative_ngram_part_reports_every_level_and_round() -> None:
     from benchmarks import speculative
 
     rows, out = speculative.bench_ngram("smollm2", tokens=12, levels=[1, 2], rounds=2, n_prompts=2)
-    assert [(r[0], r[1]) for r in rows] == [(c, m) for c in (1, 2) for m in ("off", "ngram k=4", "ngram adaptive")]
+    assert [(r[0], r[1]) for r in rows] == [(c, m) for c in (1, 2) for m in ("off", "off, a second engine", "ngram k=4", "ngram adaptive")]
     for key, v in out.items():
         assert v["same_tokens"] is True, key
         assert len(v["runs"]) == 2 and v["paired"][0] <= v["paired"][1] <= v["paired"][2]
