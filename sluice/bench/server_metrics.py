@@ -63,8 +63,8 @@ async def scrape(session: aiohttp.ClientSession, url: str, api_key: str | None =
                 return None
             text = await resp.text()
         return parse_metrics(text)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError):
-        return None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, IndexError, KeyError):
+        return None  # unreachable, or text the Prometheus parser refuses
 
 
 def _by_label(samples: Samples, name: str, label: str) -> dict[str, float]:

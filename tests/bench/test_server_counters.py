@@ -88,3 +88,21 @@ def test_bench_run_against_a_server_without_counters_has_no_speculation_block(fa
     r = bench("run", "--url", srv.url, "-n", "4", "--concurrency", "2", "--input-len", "8", "--output-len", "2",
               "--no-progress", "--model", "m")  # fmt: skip
     assert r.exit_code == 0 and "speculation" not in r.doc and "speculation" not in r.stdout
+
+
+def test_unreadable_metrics_give_no_report(fake_server) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    import aiohttp
+
+    from sluice.bench.server_metrics import scrape
+
+    async def read(url: str) -> object:
+        async with aiohttp.ClientSession() as s:
+            return await scrape(s, url, timeout_s=2.0)
+
+    srv = fake_server(metrics={'sluice_spec_drafted_tokens_total{method="ngram"': 1.0})  # a broken label set
+    assert asyncio.run(read(srv.url)) is None
+    assert asyncio.run(read("http://127.0.0.1:9")) is None, "nothing listening"
+    ok = fake_server(metrics={'sluice_spec_drafted_tokens_total{method="ngram"}': 7.0})
+    assert asyncio.run(read(ok.url)) == {("sluice_spec_drafted_tokens_total", (("method", "ngram"),)): 7.0}
