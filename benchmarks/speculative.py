@@ -19,7 +19,9 @@ speed moves by 10-20% within minutes (other tenants), more than the effect at c=
 also gives each round's ratio to the "off" run just before it, as median (min-max): a mode that never
 loses has its whole range at or above 1, whatever the host did between rounds.  A second engine without
 drafts ("off, a second engine") runs in every round too: its range is what the host alone does to a
-ratio, so a mode whose range sits inside it is not told apart from "off" by this run.  Prints tables, writes the
+ratio, so a mode whose range sits inside it is not told apart from "off" by this run.  The order of
+the modes turns by one every round: on a Zen 4 host the mode that ran first in a round was the fastest in
+3 of 4 rounds, so a fixed order put the last mode (adaptive) at a disadvantage.  Prints tables, writes the
 ``speculative`` section of docs/speculative.md (unless ``--no-write``), and prints one JSON line last.
 """
 
@@ -103,12 +105,14 @@ def _median_runs(modes: dict[str, Any], prompts: dict[str, list[list[int]]], tok
                  rounds: int, per_round: dict[str, list[float]] | None = None,
                  ) -> dict[str, tuple[float, list[list[int]], dict[str, Any]]]:  # fmt: skip
     """Each mode's median tok/s over ``rounds`` interleaved runs (its last run's tokens and counters);
-    ``per_round`` (if given) gets every run's tok/s by mode, in round order."""
+    ``per_round`` (if given) gets every run's tok/s by mode, in round order.  Round i starts at mode i
+    (NOTE(paired-rounds)): no mode always runs first or last in a round."""
     tps: dict[str, list[float]] = {m: [] for m in modes} if per_round is None else per_round
     last: dict[str, tuple[float, list[list[int]], dict[str, Any]]] = {}
-    for _ in range(rounds):
-        for name, llm in modes.items():
-            last[name] = _run(llm, prompts[name], tokens, concurrency)
+    names = list(modes)
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            last[name] = _run(modes[name], prompts[name], tokens, concurrency)
             tps.setdefault(name, []).append(last[name][0])
     return {m: (statistics.median(tps[m]), *last[m][1:]) for m in modes}
 
