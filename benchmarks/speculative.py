@@ -3,20 +3,22 @@
     python benchmarks/speculative.py                       # SmolLM2; writes docs/speculative.md and docs/speculative.png
     python benchmarks/speculative.py --small --no-write    # a quick look (fewer tokens, one round)
 
-Three parts:
+Parts (``--parts``):
 
     self      c=1, chat prompts: the fp32 target alone (``--quantization none``), the fp32 target drafted by its
-              own Q4_1 copy (``{"model": "self:q4"}``, adaptive k and fixed k=4), and the default Q4_1 path alone;
-              whether the drafted run's tokens equal the fp32 target's own
-    ngram     c=1, an input-grounded workload (the answer copies from the prompt): the Q4_1 path with n-gram
-              drafts (adaptive, fixed k=4) and without
-    load      the same workload at ``--levels`` running requests (3x as many submitted at once, the engine's
-              slot cap at the level, so a steady load): off, fixed k=4, adaptive; drafted / kept
-              tokens and the mean k the policy chose; ``docs/speculative.png`` plots tok/s against concurrency
+              own Q4_1 copy (``{"model": "self:q4"}``, adaptive k and fixed k=4), the int8 target with and
+              without it, and the default Q4_1 path alone; whether the drafted run's tokens equal the target's own
+    ngram     an input-grounded workload (the answer copies from the prompt) at ``--levels`` running requests
+              (3x as many submitted at once, the engine's slot cap at the level, so a steady load): the Q4_1
+              path off, off again (a second engine: the noise arm), n-gram fixed k=4 and adaptive; drafted /
+              kept tokens and the mean k the policy chose; ``docs/speculative.png`` plots tok/s against concurrency
+    llama1b   the Llama-1B shape: a Q8_0 target with a Q4_0 draft, against llama-server's own speculation
+    profile   one decode step at k=0 and k=4, split at the engine's seams, with the weight bytes read and the
+              rate: the fp32 target + self:q4 on SmolLM2, and the Llama-1B pair when its files exist
 
 Each figure is the median of ``--rounds`` runs, modes interleaved.  NOTE(paired-rounds): these hosts'
 speed moves by 10-20% within minutes (other tenants), more than the effect at c=32, so the n-gram table
-also gives each round's ratio to the "off" run just before it, as median (min-max): a mode that never
+also gives each round's ratio to the "off" run of the same round, as median (min-max): a mode that never
 loses has its whole range at or above 1, whatever the host did between rounds.  A second engine without
 drafts ("off, a second engine") runs in every round too: its range is what the host alone does to a
 ratio, so a mode whose range sits inside it is not told apart from "off" by this run.  The order of
