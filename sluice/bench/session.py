@@ -83,8 +83,8 @@ async def execute(cfg: BenchConfig, stop: asyncio.Event | None = None) -> tuple[
     )  # fmt: skip
     metrics_session = aiohttp.ClientSession()  # the server's own counters, read around each phase
     async with metrics_session, client, LiveDisplay(stats, enabled=cfg.show_progress) as display:
+        before = await scrape(metrics_session, cfg.url, cfg.api_key)
         for i, load in enumerate(cfg.loads):
-            before = await scrape(metrics_session, cfg.url, cfg.api_key)
             if cfg.is_sweep:
                 display.label = f"step {i + 1}/{len(cfg.loads)} {load.mode.value} {load.level:g}: "
             # NOTE(seeds): every phase replays the same request sequence, so the
@@ -97,9 +97,11 @@ async def execute(cfg: BenchConfig, stop: asyncio.Event | None = None) -> tuple[
             )  # fmt: skip
             records += result.records
             phases.append(phase_document(result, cfg.contract))
-            spec = speculation_report(before, await scrape(metrics_session, cfg.url, cfg.api_key))
+            after = await scrape(metrics_session, cfg.url, cfg.api_key)
+            spec = speculation_report(before, after)
             if spec is not None:  # NOTE(server-counters) in server_metrics
                 phases[-1]["speculation"] = spec
+            before = after  # the next phase starts where this one ended: one read between two phases
             if stop.is_set() or (cfg.contract and not should_continue([p["passed"] for p in phases])):  # fmt: skip
                 break
     doc: dict[str, Any] = {
