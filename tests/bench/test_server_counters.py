@@ -6,20 +6,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from sluice.bench.server_metrics import parse_metrics, speculation_report
 from sluice.engine.protocol import EngineStats
-from sluice.server.telemetry import EngineStatsCollector
-
-
-def _render(stats: EngineStats) -> str:
-    """What a sluice server's /metrics shows for these engine stats (the exporter itself)."""
-    reg = CollectorRegistry()
-    c = EngineStatsCollector()
-    c.latest = stats
-    reg.register(c)
-    return generate_latest(reg).decode()
+from tests.server.conftest import render_engine_stats as _render
 
 
 def _spec(drafted: int, accepted: int, runs: int, k_counts: list[int], method: str = "ngram") -> EngineStats:

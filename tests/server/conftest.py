@@ -128,6 +128,19 @@ def server_factory() -> Iterator[Callable[..., ServerThread]]:
         srv.stop()
 
 
+def render_engine_stats(stats: Any) -> str:
+    """What a sluice server's /metrics shows for these ``EngineStats`` (the exporter itself, no server)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sluice.server.telemetry import EngineStatsCollector
+
+    reg = CollectorRegistry()
+    c = EngineStatsCollector()
+    c.latest = stats
+    reg.register(c)
+    return generate_latest(reg).decode()
+
+
 def scrape(url: str) -> dict[str, float]:
     """Parse /metrics into {'name{labels}': value} (sample lines only)."""
     text = httpx.get(url + "/metrics", timeout=5).text

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-
 from sluice.engine.protocol import EngineStats
-from sluice.server.telemetry import EngineStatsCollector
-
-
-def _scrape(stats: EngineStats) -> str:
-    reg = CollectorRegistry()
-    c = EngineStatsCollector()
-    c.latest = stats
-    reg.register(c)
-    return generate_latest(reg).decode()
+from tests.server.conftest import render_engine_stats as _scrape
 
 
 def test_spec_counters_by_method_and_k() -> None:
